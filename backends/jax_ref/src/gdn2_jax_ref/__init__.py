@@ -1,0 +1,1 @@
+"""The jax_ref backend of gdn2 (see backend.py)."""

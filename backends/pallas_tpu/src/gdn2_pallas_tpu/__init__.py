@@ -1,0 +1,1 @@
+"""The pallas_tpu backend of gdn2 (see backend.py)."""

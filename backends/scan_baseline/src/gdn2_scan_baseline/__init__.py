@@ -1,0 +1,1 @@
+"""The scan_baseline backend of gdn2 (see backend.py)."""

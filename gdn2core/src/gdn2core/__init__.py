@@ -1,0 +1,62 @@
+"""gdn2core: the Gated DeltaNet-2 operator spec, reference, public API and backend registry.
+
+Importing this package imports no backend; backends are discovered through the entry-point group
+``gdn2.backends`` on first use.
+"""
+
+from gdn2core.api import gdn2_forward, gdn2_forward_trainable, which_backend
+from gdn2core.backend import Backend, Capabilities, Verdict
+from gdn2core.config import (
+    DEFAULT_CONFIG,
+    KAGGLE_LARGE,
+    KAGGLE_MEDIUM,
+    KAGGLE_SMALL,
+    PRESETS,
+    KernelConfig,
+)
+from gdn2core.hooks import hookimpl
+from gdn2core.memory import estimate_memory, get_recommended_config
+from gdn2core.platform import is_tpu_available
+from gdn2core.reference import gdn2_token_serial_reference
+from gdn2core.registry import (
+    BackendInfo,
+    BackendNotFoundError,
+    BackendUnsupportedError,
+    get_backend,
+    list_backends,
+    register_backend,
+    unregister_backend,
+)
+from gdn2core.selection import resolve_backend
+from gdn2core.spec import OpSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "KAGGLE_LARGE",
+    "KAGGLE_MEDIUM",
+    "KAGGLE_SMALL",
+    "PRESETS",
+    "Backend",
+    "BackendInfo",
+    "BackendNotFoundError",
+    "BackendUnsupportedError",
+    "Capabilities",
+    "KernelConfig",
+    "OpSpec",
+    "Verdict",
+    "estimate_memory",
+    "gdn2_forward",
+    "gdn2_forward_trainable",
+    "gdn2_token_serial_reference",
+    "get_backend",
+    "get_recommended_config",
+    "hookimpl",
+    "is_tpu_available",
+    "list_backends",
+    "register_backend",
+    "resolve_backend",
+    "unregister_backend",
+    "which_backend",
+]

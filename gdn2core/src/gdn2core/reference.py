@@ -1,0 +1,57 @@
+"""The token-serial reference: the ground truth every backend is tested against.
+
+One ``lax.scan`` step per token, in the kernel form of OPERATOR.md::
+
+    S'  = exp(g_t)[:, None] * S          # decay, key axis
+    r   = S'^T (b_t * k_t)               # read at the erase-gated key        [dv]
+    S_t = S' + k_t (w_t * v_t - r)^T     # rank-1 edit                         [dk, dv]
+    o_t = scale * S_t^T q_t                                                    [dv]
+
+The state is float32 whatever the input dtype (float64 when the inputs are float64), so a
+bfloat16 call is computed in float32 from the bfloat16 values. Differentiable by autodiff in all
+of q, k, v, w, b, g and h0.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from gdn2core.spec import OpSpec
+
+
+def state_dtype(dtype) -> jnp.dtype:
+    """float64 for float64 inputs, else float32: the precision of state and accumulators."""
+    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+
+
+def gdn2_token_serial_reference(
+    q: Float[Array, "B T H dk"],
+    k: Float[Array, "B T H dk"],
+    v: Float[Array, "B T H dv"],
+    w: Float[Array, "B T H dv"],
+    b: Float[Array, "B T H dk"],
+    g: Float[Array, "B T H dk"],
+    scale: float | None = None,
+    h0: Float[Array, "B H dk dv"] | None = None,
+) -> tuple[Float[Array, "B T H dv"], Float[Array, "B H dk dv"]]:
+    """Token-serial GDN-2. Returns ``(o, h_final)``: o in v's dtype, h_final float32 (or f64)."""
+    spec = OpSpec.from_inputs(q, k, v, w, b, g, scale, h0)
+    acc = state_dtype(q.dtype)
+    if h0 is None:
+        h0 = jnp.zeros((spec.batch, spec.heads, spec.dk, spec.dv), acc)
+
+    # [T, B, H, d] in the accumulation dtype: the scan runs over the leading axis.
+    xs = tuple(jnp.swapaxes(x, 0, 1).astype(acc) for x in (q, k, v, w, b, g))
+
+    def step(S, x):  # S: [B, H, dk, dv] acc
+        qt, kt, vt, wt, bt, gt = x  # [B, H, dk] / [B, H, dv]
+        S_dec = jnp.exp(gt)[..., None] * S  # [B, H, dk, dv]
+        r = jnp.einsum("bhkv,bhk->bhv", S_dec, bt * kt)  # [B, H, dv]
+        S_new = S_dec + kt[..., None] * (wt * vt - r)[..., None, :]  # [B, H, dk, dv]
+        o = spec.scale * jnp.einsum("bhkv,bhk->bhv", S_new, qt)  # [B, H, dv]
+        return S_new, o
+
+    h_final, o = jax.lax.scan(step, h0.astype(acc), xs)  # o: [T, B, H, dv]
+    return jnp.swapaxes(o, 0, 1).astype(v.dtype), h_final
