@@ -67,7 +67,7 @@ def which_backend(
     q, k, v, w, b, g, scale=None, h0=None, config=None, backend: str = AUTO, trainable=True
 ) -> str:
     """The name of the backend a call with these arguments would run (nothing is computed)."""
-    spec, config, chosen, _ = _prepare(q, k, v, w, b, g, scale, h0, config, backend, trainable)
+    *_, chosen, _ = _prepare(q, k, v, w, b, g, scale, h0, config, backend, trainable)
     return chosen.name
 
 

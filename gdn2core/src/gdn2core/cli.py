@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Final
 
-#: name -> ("module:function", help). The function takes the remaining argv and returns an exit code.
+#: name -> ("module:function", help); the function takes the remaining argv, returns an exit code.
 SUBCOMMANDS: Final[dict[str, tuple[str, str]]] = {
     "bench": ("gdn2core.bench.cli:bench_main", "time every backend (correctness-gated)"),
     "memory": ("gdn2core.bench.cli:memory_main", "compiled peak memory per backend and shape"),
@@ -40,7 +40,7 @@ def info_main(argv: Sequence[str]) -> int:
         rows.append((info.name, info.version, state, prio, caps))
     header = ("backend", "version", "available", "priority", "capabilities")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    line = "  ".join("{:<%d}" % w for w in widths)
+    line = "  ".join(f"{{:<{w}}}" for w in widths)
     print(line.format(*header))
     print(line.format(*("-" * w for w in widths)))
     for row in rows:

@@ -74,7 +74,8 @@ def _plugin_manager() -> pluggy.PluginManager:
 
 def _broken(name: str, version: str, source: str, err: BaseException) -> _Entry:
     msg = f"broken: {type(err).__name__}: {err}"
-    log.warning("gdn2 backend plugin %r failed to load: %s\n%s", name, msg, traceback.format_exc())
+    log.warning("gdn2 backend plugin %r failed to load: %s", name, msg)
+    log.debug("traceback of %r:\n%s", name, traceback.format_exc())
     info = BackendInfo(name, version, False, msg, None, None, source, broken=True)
     return _Entry(info, None)
 
@@ -185,8 +186,7 @@ def get_backend(name: str) -> Backend:
     if entry is None:
         installed = ", ".join(sorted(entries)) or "none"
         raise BackendNotFoundError(
-            f"gdn2 backend {name!r} is not installed (installed: {installed}); "
-            f"{install_hint(name)}"
+            f"gdn2 backend {name!r} is not installed (installed: {installed}); {install_hint(name)}"
         )
     if entry.backend is None:
         raise BackendNotFoundError(f"gdn2 backend {name!r} failed to load: {entry.info.reason}")

@@ -1,0 +1,51 @@
+# gdn2 development tasks. `make test` and `make demo` set everything up on a fresh machine.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+PACKAGES := gdn2core backends/jax_ref backends/scan_baseline backends/pallas_tpu
+STAMP := $(VENV)/.installed
+export JAX_PLATFORMS ?= cpu
+export PYTHONUNBUFFERED := 1
+
+# The first Python >= 3.12 on PATH (a .python-version file makes pyenv provide 3.12).
+PYTHON_FOR_VENV ?= $(shell for p in python3.12 python3.13 python3 python; do \
+	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
+	&& { echo $$p; break; }; done)
+
+.PHONY: venv test test-slow test-tpu-compile lint format demo bench clean
+
+$(PY):
+	@test -n "$(PYTHON_FOR_VENV)" || { echo "need Python >= 3.12 on PATH" >&2; exit 1; }
+	$(PYTHON_FOR_VENV) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml $(foreach p,$(PACKAGES),$(p)/pyproject.toml)
+	$(PY) -m pip install -q --upgrade "pip>=25.1"
+	$(PY) -m pip install -q --group dev
+	$(PY) -m pip install -q --no-deps $(foreach p,$(PACKAGES),-e $(p))
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: lint
+	$(PY) -m pytest -m "not slow" -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow -q
+
+demo: $(STAMP)
+	$(PY) examples/minimal_usage.py
+	$(PY) examples/train_mqar.py
+
+bench: $(STAMP)
+	$(VENV)/bin/gdn2 bench
+
+clean:
+	rm -rf $(VENV) bench-results .pytest_cache .ruff_cache

@@ -1,0 +1,54 @@
+"""The scan_baseline backend: refuses shapes whose associative scan would not fit in memory."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from gdn2_scan_baseline.scan import PEAK_BUFFERS_TRAIN, gdn2_associative_scan
+from gdn2core import Backend, Capabilities, Verdict
+
+#: Share of the device's memory the scan may plan to use.
+MEMORY_FRACTION = 0.5
+
+
+def device_memory_bytes() -> int:
+    """Memory of the default device: its allocator limit, else (CPU) the host's physical RAM."""
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if limit:
+        return int(limit)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def estimated_bytes(spec) -> int:
+    """Peak bytes of value_and_grad: ``PEAK_BUFFERS_TRAIN * B*H*T*dk*(dk+dv) * 4``."""
+    per_map = 4 * spec.dk * (spec.dk + spec.dv)
+    return PEAK_BUFFERS_TRAIN * spec.batch * spec.heads * spec.seq_len * per_map
+
+
+class ScanBaselineBackend(Backend):
+    name = "scan_baseline"
+    priority = 10
+    capabilities = Capabilities()
+
+    def auto_selectable(self) -> Verdict:
+        return Verdict(False, "baseline: only used when named")
+
+    def supports(self, spec, config) -> Verdict:
+        base = super().supports(spec, config)
+        if not base:
+            return base
+        need, have = estimated_bytes(spec), int(MEMORY_FRACTION * device_memory_bytes())
+        if need > have:
+            return Verdict(
+                False,
+                f"the associative scan needs ~{need / 2**30:.1f} GiB "
+                f"({PEAK_BUFFERS_TRAIN} x B*H*T*dk*(dk+dv) float32) but only "
+                f"{have / 2**30:.1f} GiB ({MEMORY_FRACTION:.0%} of device memory) is allowed",
+            )
+        return base
+
+    def forward(self, q, k, v, w, b, g, h0, *, spec, config):
+        return gdn2_associative_scan(q, k, v, w, b, g, h0, spec.scale)

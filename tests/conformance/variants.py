@@ -1,0 +1,39 @@
+"""The backends the conformance suite runs, each with its capability flags.
+
+A variant is a backend name plus a config and what it can do; the suite derives its cases from the
+flags (head sizes, dtypes, float64, trainability) and the chunk length (T shorter than a chunk, T
+not a multiple of it). Adding a backend to the suite is adding a line here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gdn2core import KernelConfig
+
+SMALL = KernelConfig(bt=16, bc=8, mb=4)  # small chunks: several chunks at tiny T, fast on CPU
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    id: str
+    backend: str
+    config: KernelConfig
+    head_sizes: tuple[tuple[int, int], ...]  # (dk, dv) pairs, the first one square
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    float64: bool = True  # runs with x64 enabled (finite-difference checks)
+    trainable: bool = True
+    full: bool = True  # every case; False: the quick subset (expensive variants)
+
+
+VARIANTS: tuple[Variant, ...] = (
+    Variant("jax_ref", "jax_ref", SMALL, head_sizes=((8, 8), (8, 12), (12, 6))),
+    Variant(
+        "jax_ref-default-config",
+        "jax_ref",
+        KernelConfig(),
+        head_sizes=((16, 16), (16, 32)),
+        full=False,
+    ),
+    Variant("scan_baseline", "scan_baseline", SMALL, head_sizes=((8, 8), (8, 12), (12, 6))),
+)
