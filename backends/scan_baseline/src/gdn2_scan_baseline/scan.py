@@ -23,9 +23,10 @@ from gdn2core.reference import state_dtype
 
 # Peak temporary bytes of the jitted value_and_grad in units of one [B, H, T, dk, dk + dv] float32
 # buffer: the per-token maps, the scan's sweep partials, the prefix states and their cotangents.
-# memory_analysis() on CPU gave 9.3 to 9.5 units at (T, dk) = (256, 32), (1024, 64), (512, 128);
-# tests/test_scan_baseline.py checks that this bound holds.
-PEAK_BUFFERS_TRAIN = 10
+# memory_analysis() on CPU gave 9.2 to 10.8 units for (T, dk, dv) from (128, 64, 8) to
+# (256, 16, 128) and (1024, 64, 64);
+# tests/scan_baseline/test_memory_model.py checks that this bound holds.
+PEAK_BUFFERS_TRAIN = 12
 
 
 def _compose(earlier, later):
