@@ -1,1 +1,21 @@
-"""The pallas_tpu backend of gdn2 (see backend.py)."""
+"""The pallas_tpu backend of gdn2: fused Pallas TPU kernels for the GDN-2 recurrence.
+
+Modules (tokamax-like layout):
+
+- ``backend.py``: ``PallasTpuBackend`` (name "pallas_tpu", priority 200): capabilities, supports(),
+  platform guard, hybrid mode switch.
+- ``config.py``: ``Plan`` (static blocking of one call), VMEM byte model, cost formulas
+  (ALGORITHM.md section 9) used by every ``pl.CostEstimate`` and by the report.
+- ``layout.py``: the HBM layouts the kernels index ((B, H, T, d) view or (B, T, H, d) in place with
+  8 heads per grid step), BlockSpecs, per-head tile access.
+- ``chunk_math.py``: in-kernel chunk math shared by both kernels: ``gamma_cum``, decay-safe scores
+  (reference-row matmuls off the diagonal, pairwise masked diagonal blocks), blocked WY inverse
+  ``T``, ``Y``, ``U``, score backward.
+- ``kernels_fwd.py``: one forward ``pallas_call`` (``gdn2_fwd_fused``), grid (B, H/Hb, N), chunk
+  axis last and "arbitrary", float32 state in VMEM scratch.
+- ``kernels_bwd.py``: one backward ``pallas_call`` (``gdn2_bwd_fused``), chunks in reverse, dS in
+  VMEM scratch, entry states recomputed per superchunk from the saved ones.
+- ``vjp.py``: the ``jax.custom_vjp`` and its ``Residuals`` dataclass; the platform guard.
+- ``hybrid.py``: ``KernelConfig(hybrid_forward=True)``: jax_ref forward + Pallas backward.
+- ``tpu_compile.py``, ``report.py``: deviceless TPU compile and ``gdn2 tpu-report``.
+"""

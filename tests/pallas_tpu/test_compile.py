@@ -1,0 +1,65 @@
+"""Deviceless TPU compilation: the kernels lower through Mosaic for v5e/v6e and the train step's
+compiled scratch HBM stays within budget. Compile-time analysis only (no TPU run)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gdn2_pallas_tpu.tpu_compile import TEMP_LIMIT_BYTES, TRAIN_SHAPE, compile_for_tpu
+from gdn2core import DEFAULT_CONFIG, PRESETS
+
+pytest.importorskip("libtpu")
+
+B, T, H = TRAIN_SHAPE
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_train_step_compiles_for_v5e_within_memory_budget(dtype):
+    compiled = compile_for_tpu("v5e:1x1", "train", B, T, H, 128, 128, dtype, DEFAULT_CONFIG)
+    text = compiled.as_text()
+    assert "tpu_custom_call" in text
+    assert text.count("gdn2_fwd_fused") >= 1 and "gdn2_bwd_fused" in text
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= TEMP_LIMIT_BYTES, f"temp {temp / 2**20:.1f} MiB > 256 MiB"
+
+
+def test_eight_heads_per_step_layout_compiles_in_place():
+    """H % 8 == 0 with a blocking whose 8-head tiles fit VMEM: the kernels read the (B, T, H, d)
+    arrays in place (no transpose copies: forward temp 0)."""
+    from gdn2_pallas_tpu.config import make_plan
+    from gdn2core import KAGGLE_SMALL
+    from gdn2core.spec import OpSpec
+
+    assert make_plan(OpSpec(B, T, 8, 128, 128, "bfloat16", 1.0, True), KAGGLE_SMALL).hb == 8
+    fwd = compile_for_tpu("v5e:1x1", "forward", B, T, 8, 128, 128, "bfloat16", KAGGLE_SMALL)
+    assert "tpu_custom_call" in fwd.as_text()
+    assert fwd.memory_analysis().temp_size_in_bytes < 2**20
+    train = compile_for_tpu("v5e:1x1", "train", B, T, 8, 128, 128, "bfloat16", KAGGLE_SMALL)
+    assert "gdn2_bwd_fused" in train.as_text()
+    assert train.memory_analysis().temp_size_in_bytes <= TEMP_LIMIT_BYTES
+
+
+def test_forward_compiles_for_v6e_dk_ne_dv():
+    compiled = compile_for_tpu("v6e:1x1", "forward", B, T, H, 128, 256, "bfloat16", DEFAULT_CONFIG)
+    assert "tpu_custom_call" in compiled.as_text()
+
+
+MATRIX = [
+    (topo, mode, dk, dv, dtype, preset)
+    for topo in ("v5e:1x1", "v6e:1x1")
+    for mode in ("forward", "train")
+    for dk, dv in ((128, 128), (64, 64), (128, 256))
+    for dtype in ("float32", "bfloat16")
+    for preset in PRESETS
+]
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_compile
+@pytest.mark.parametrize(("topo", "mode", "dk", "dv", "dtype", "preset"), MATRIX)
+def test_compile_matrix(topo, mode, dk, dv, dtype, preset):
+    compiled = compile_for_tpu(topo, mode, B, T, H, dk, dv, dtype, PRESETS[preset])
+    assert "tpu_custom_call" in compiled.as_text()
+    if mode == "train" and dk == dv == 128 and topo.startswith("v5e"):
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        assert temp <= TEMP_LIMIT_BYTES, f"temp {temp / 2**20:.1f} MiB > 256 MiB"
