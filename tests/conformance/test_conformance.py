@@ -206,7 +206,9 @@ def test_reduces_to_gated_deltanet(variant):
     assert rel_err(h, h_np) < TOL_FWD["float32"]
 
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.trainable], ids=lambda v: v.id)
+@pytest.mark.parametrize(
+    "variant", [v for v in VARIANTS if v.trainable and v.vmap], ids=lambda v: v.id
+)
 def test_jit_vmap_and_grad_compose(variant):
     """jit(vmap(...)) over an extra leading axis equals the per-slice calls; grad of a loss that
     uses both o and h_final is finite."""

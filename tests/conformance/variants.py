@@ -24,6 +24,7 @@ class Variant:
     float64: bool = True  # runs with x64 enabled (finite-difference checks)
     trainable: bool = True
     full: bool = True  # every case; False: the quick subset (expensive variants)
+    vmap: bool = True  # jax.vmap of the call runs here
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -36,4 +37,17 @@ VARIANTS: tuple[Variant, ...] = (
         full=False,
     ),
     Variant("scan_baseline", "scan_baseline", SMALL, head_sizes=((8, 8), (8, 12), (12, 6))),
+    # The Pallas TPU kernels on the CPU through TPU interpret mode (pltpu.InterpretParams()); the
+    # same kernels are compiled for real TPU targets in tests/pallas_tpu/test_compile.py.
+    Variant(
+        "pallas_tpu-interpret",
+        "pallas_tpu",
+        KernelConfig(bt=16, bc=8, mb=8, interpret=True),
+        head_sizes=((64, 64), (64, 128), (128, 64)),
+        float64=False,
+        full=False,
+        # JAX's TPU interpret mode does not batch a pallas_call's dimension_semantics, so vmap
+        # runs only on the TPU compile path (tests/pallas_tpu/test_compile.py compiles it).
+        vmap=False,
+    ),
 )

@@ -1,15 +1,34 @@
-"""The jax_ref backend: chunked WY in pure JAX, the fallback on every platform."""
+"""The jax_ref backend: the chunkwise WY algorithm in pure JAX, the fallback on every platform."""
 
-from gdn2core import Backend, Capabilities, Verdict
+from __future__ import annotations
+
+import jax
+
+from gdn2_jax_ref.forward import gdn2_chunk_forward
+from gdn2_jax_ref.params import ChunkParams
+from gdn2_jax_ref.vjp import gdn2_chunk_trainable
+from gdn2core import Backend, Capabilities
+from gdn2core.config import KernelConfig
+from gdn2core.spec import OpSpec
 
 
 class JaxRefBackend(Backend):
+    """Any dk/dv, float32/bfloat16/float64, trainable; always available."""
+
     name = "jax_ref"
     priority = 100
     capabilities = Capabilities()
 
-    def availability(self) -> Verdict:
-        return Verdict(False, "not implemented yet")
+    def forward(
+        self, q, k, v, w, b, g, h0, *, spec: OpSpec, config: KernelConfig
+    ) -> tuple[jax.Array, jax.Array]:
+        params = ChunkParams.from_spec(spec, config)
+        o, h_final, _ = gdn2_chunk_forward(q, k, v, w, b, g, h0, params)
+        return o, h_final.astype(h0.dtype)
 
-    def forward(self, q, k, v, w, b, g, h0, *, spec, config):
-        raise NotImplementedError("jax_ref: not implemented yet")
+    def forward_trainable(
+        self, q, k, v, w, b, g, h0, *, spec: OpSpec, config: KernelConfig
+    ) -> tuple[jax.Array, jax.Array]:
+        params = ChunkParams.from_spec(spec, config)
+        o, h_final = gdn2_chunk_trainable(q, k, v, w, b, g, h0, params)
+        return o, h_final.astype(h0.dtype)

@@ -62,7 +62,7 @@ def _on_tpu_only(fn, plan: Plan, *args):
     out_shapes = jax.eval_shape(fn, *args)
 
     def other(*a):
-        return jax.pure_callback(_raise_not_tpu, out_shapes, *a)
+        return jax.pure_callback(_raise_not_tpu, out_shapes, *a, vmap_method="broadcast_all")
 
     return lax.platform_dependent(*args, tpu=fn, default=other)
 

@@ -1,0 +1,156 @@
+"""The hand-derived chunkwise backward (ALGORITHM.md section 6).
+
+A reverse ``lax.scan`` over the same groups of G chunks as the forward carries dS, the gradient
+w.r.t. the state leaving the group. Per group:
+
+1. recompute Phase A (F1-F6) from the inputs, and (Pass 0) the chunk-entry states S and the
+   residual writes R = U - Y S by an inner scan from the saved group-entry state;
+2. Pass 1: inner reverse ``lax.scan`` over the group's chunks (two matmuls per chunk), yielding
+   dR and dS (w.r.t. the state leaving each chunk of the group);
+3. Pass 2: B1-B10 for the G chunks at once, with the decay-safe rho/kappa of
+   :mod:`gdn2_jax_ref.scores`; the gradients are written into the output buffers in place.
+
+dh0 is the final carry.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float
+
+from gdn2_jax_ref.chunk import load_group, pad_time, store_group
+from gdn2_jax_ref.forward import entry_states, plan_blocking
+from gdn2_jax_ref.local import ChunkLocal, chunk_local, cumsum_rows
+from gdn2_jax_ref.params import ChunkParams, einsum
+from gdn2_jax_ref.scores import score_kappa, score_rho
+from gdn2core.diagnostics import probe
+
+
+def reverse_state_pass(
+    L: ChunkLocal,
+    dO: Float[Array, "G B H C V"],
+    dS_out: Float[Array, "B H K V"],
+    scale: float,
+) -> tuple[Float[Array, "G B H C V"], Float[Array, "G B H K V"], Float[Array, "B H K V"]]:
+    """Pass 1 over the chunks of one group, entered (from the right) with ``dS_out``.
+
+    dR = scale A_qk^T dO + K_tilde dS;  dS <- exp(gamma_C) dS + scale Q_tilde^T dO - Y^T dR.
+    The dO terms do not depend on dS and are formed for the G chunks at once; the scan does two
+    matmuls per chunk. Returns ``(dR, dS, dS_in)`` with dS[n] the gradient w.r.t. the state
+    leaving chunk n.
+    """
+    dR_o = scale * einsum("...rc,...rv->...cv", L.A_qk, dO)  # [G, B, H, C, V]
+    dS_o = scale * einsum("...ck,...cv->...kv", L.Q_tilde, dO)  # [G, B, H, K, V]
+
+    def step(dS, xs):  # dS: [B, H, K, V], w.r.t. the state leaving this chunk
+        dR_o_n, dS_o_n, K_tilde, decay_C, Y = xs
+        dR = dR_o_n + einsum("bhck,bhkv->bhcv", K_tilde, dS)  # [B, H, C, V]
+        dS_prev = decay_C[..., None] * dS + dS_o_n - einsum("bhck,bhcv->bhkv", Y, dR)
+        return dS_prev, (dR, dS)  # dS_prev: [B, H, K, V]
+
+    xs = (dR_o, dS_o, L.K_tilde, L.decay_C, L.Y)
+    dS_in, (dR, dS) = lax.scan(step, dS_out, xs, reverse=True)
+    return dR, dS, dS_in
+
+
+def chunk_grads(
+    L: ChunkLocal,
+    qc: Float[Array, "G B H C K"],
+    kc: Float[Array, "G B H C K"],
+    vc: Float[Array, "G B H C V"],
+    wc: Float[Array, "G B H C V"],
+    bc: Float[Array, "G B H C K"],
+    S0: Float[Array, "B H K V"],
+    dO: Float[Array, "G B H C V"],
+    dS_out: Float[Array, "B H K V"],
+    params: ChunkParams,
+) -> tuple[tuple[Float[Array, "G B H C _"], ...], Float[Array, "B H K V"]]:
+    """Passes 0, 1 and 2 for one group entered with state ``S0``.
+    Returns ``((dq, dk, dv, dw, db, dg), dS_in)``, the gradients in chunk layout."""
+    scale, c, clip = params.scale, params.bc, params.clip
+    S, R, _ = entry_states(L, S0)  # Pass 0: [G, B, H, K, V], [G, B, H, C, V]
+    dR, dS, dS_in = reverse_state_pass(L, dO, dS_out, scale)  # Pass 1
+    dR = probe("jax_ref dR", dR)  # [G, B, H, C, V]
+    dK_tilde = einsum("...cv,...kv->...ck", R, dS)  # B3 [G, B, H, C, K]
+    d_decay_C = jnp.sum(S * dS, axis=-1)  # B3 [G, B, H, K]
+
+    C = qc.shape[-2]
+    P_qk = scale * jnp.tril(einsum("...rv,...sv->...rs", dO, R))  # B1 [G, B, H, C, C]
+    dQ_tilde = scale * einsum("...cv,...kv->...ck", dO, S)  # B2 [G, B, H, C, K]
+    dY = -einsum("...cv,...kv->...ck", dR, S)  # B2 [G, B, H, C, K]
+    dE_bar = einsum("...rc,...rk->...ck", L.T, dY)  # B4 T^T dY [G, B, H, C, K]
+    dZ = einsum("...rc,...rv->...cv", L.T, dR)  # B4 T^T dU, dU = dR [G, B, H, C, V]
+    P_kk = -jnp.tril(
+        einsum("...rk,...sk->...rs", dE_bar, L.Y) + einsum("...rv,...sv->...rs", dZ, L.U), -1
+    )  # B5 [G, B, H, C, C]
+    P_kk = probe("jax_ref P_kk", P_kk)
+    dv_c = dZ * wc  # B6 [G, B, H, C, V]
+    dw_c = dZ * vc  # B6 [G, B, H, C, V]
+
+    # B7, the two rho and the two kappa contractions each as one stacked call. The barrier gives
+    # rho and kappa distinct copies of gamma_cum, so XLA cannot CSE their pairwise decays into one
+    # shared (and then materialised) [.., c, c, K] tensor; each stays fused into its reduction.
+    g_rho, g_kappa = lax.optimization_barrier((L.gamma_cum, L.gamma_cum))
+    P_both = jnp.stack([P_qk, P_kk])  # [2, G, B, H, C, C]
+    dQ_s, dE_s = score_rho(P_both, kc, g_rho, c, clip)  # [G, B, H, C, K] each
+    dK_1, dK_2 = score_kappa(P_both, jnp.stack([qc, L.E]), g_kappa, c, clip)  # [G, B, H, C, K]
+
+    e_gamma = jnp.exp(L.gamma_cum)  # [G, B, H, C, K] <= 1
+    e_tail = jnp.exp(L.gamma_cum[..., -1:, :] - L.gamma_cum)  # [G, B, H, C, K] <= 1
+    dE = dE_bar * e_gamma + dE_s  # B8 [G, B, H, C, K]
+    dq_c = dQ_tilde * e_gamma + dQ_s  # B8 [G, B, H, C, K]
+    db_c = dE * kc  # B8 [G, B, H, C, K]
+    dk_c = dE * bc + dK_1 + dK_2 + dK_tilde * e_tail  # B8 [G, B, H, C, K]
+    dK_tilde_K = dK_tilde * L.K_tilde  # [G, B, H, C, K]
+    d_gamma = (
+        dQ_tilde * L.Q_tilde
+        + dE_bar * L.E_bar
+        - dK_tilde_K
+        + qc * dQ_s
+        - kc * dK_1
+        + L.E * dE_s
+        - kc * dK_2
+    )  # B9 [G, B, H, C, K]
+    last = jnp.sum(dK_tilde_K, axis=-2) + d_decay_C * L.decay_C  # B9 gamma_C terms [G, B, H, K]
+    is_last = (jnp.arange(C) == C - 1)[:, None]  # [C, 1]
+    d_gamma = d_gamma + jnp.where(is_last, last[..., None, :], 0.0)  # [G, B, H, C, K]
+    dg_c = cumsum_rows(d_gamma, reverse=True)  # B10 [G, B, H, C, K]
+    return (dq_c, dk_c, dv_c, dw_c, db_c, dg_c), dS_in
+
+
+def gdn2_chunk_backward(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B T H K"],
+    v: Float[Array, "B T H V"],
+    w: Float[Array, "B T H V"],
+    b: Float[Array, "B T H K"],
+    g: Float[Array, "B T H K"],
+    states: Float[Array, "n B H K V"],
+    do: Float[Array, "B T H V"],
+    dh_final: Float[Array, "B H K V"],
+    params: ChunkParams,
+) -> tuple[Float[Array, "B T H _"], ...]:
+    """Gradients ``(dq, dk, dv, dw, db, dg, dh0)``: inputs' dtypes, dh0 in the state dtype."""
+    acc = params.acc_dtype
+    seq = q.shape[1]
+    blk = plan_blocking(q, v, params)
+    inputs = tuple(pad_time(x, blk) for x in (q, k, v, w, b, g))  # [B, Tp, H, d]
+    do = pad_time(do, blk)  # [B, Tp, H, V]
+    bufs0 = tuple(jnp.zeros_like(x) for x in inputs)  # gradient buffers [B, Tp, H, d]
+
+    def group_step(carry, xs):
+        dS, bufs = carry  # [B, H, K, V], 6 x [B, Tp, H, d]
+        i, S0 = xs  # group index, [B, H, K, V] group-entry state
+        qc, kc, vc, wc, bc, gc = (load_group(x, i, blk, acc) for x in inputs)  # [G, B, H, C, d]
+        dO = load_group(do, i, blk, acc)  # [G, B, H, C, V]
+        L = chunk_local(qc, kc, vc, wc, bc, gc, params=params)
+        grads, dS_in = chunk_grads(L, qc, kc, vc, wc, bc, S0, dO, dS, params)
+        bufs = tuple(store_group(buf, d, i, blk) for buf, d in zip(bufs, grads, strict=True))
+        return (dS_in, bufs), None
+
+    carry0 = (dh_final.astype(acc), bufs0)
+    xs = (jnp.arange(blk.n_groups), states)
+    (dh0, bufs), _ = lax.scan(group_step, carry0, xs, reverse=True)
+    dq, dk, dv, dw, db, dg = (buf[:, :seq] for buf in bufs)
+    return dq, dk, dv, dw, db, probe("jax_ref dg", dg), probe("jax_ref dh0", dh0)

@@ -1,0 +1,50 @@
+"""Static parameters of one chunkwise call: scale, blocking, damping, clip, accumulation dtype.
+
+A frozen, hashable dataclass, so it can be a ``nondiff_argnums`` argument of the custom VJP and a
+static argument of ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+
+from gdn2core.config import KernelConfig
+from gdn2core.spec import OpSpec
+
+#: Every contraction runs at full precision of its operands (the WY solve and the state must be
+#: accurate; on TPU/GPU the default f32 matmul precision is lower). Free on CPU.
+einsum = functools.partial(jnp.einsum, precision=lax.Precision.HIGHEST)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkParams:
+    """What the chunkwise algorithm needs besides the arrays (names as in ALGORITHM.md)."""
+
+    scale: float
+    bt: int  # chunk length C
+    bc: int  # score sub-chunk c (diagonal c x c blocks pairwise)
+    mb: int  # WY solver micro-block
+    wy_eps: float  # T = ((1 + wy_eps) I + A_kk)^-1
+    clip: float  # guard on reference-split exponents (never binds for g <= 0)
+    acc: str  # accumulation dtype: "float32", or "float64" for float64 inputs
+
+    @classmethod
+    def from_spec(cls, spec: OpSpec, config: KernelConfig) -> ChunkParams:
+        acc = "float64" if spec.dtype == "float64" else "float32"
+        return cls(
+            scale=float(spec.scale),
+            bt=int(config.bt),
+            bc=int(config.bc),
+            mb=int(config.mb),
+            wy_eps=float(config.wy_eps),
+            clip=float(config.clip),
+            acc=acc,
+        )
+
+    @property
+    def acc_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.acc)
