@@ -137,9 +137,11 @@ def test_float64_gradients_against_central_differences(variant, x64):
     case = cases_for(variant)[1]  # strong decay, dk != dv, h0
     x = make_inputs(case, jnp.float64)
     check_forward(variant, x, x, TOL_FWD["float64"])
-    loss = loss_fn(gdn2_forward_trainable, x, config=variant.config, backend=variant.backend)
+    loss = jax.jit(
+        loss_fn(gdn2_forward_trainable, x, config=variant.config, backend=variant.backend)
+    )
     primals = (*x.args, x.h0)
-    grads = jax.grad(loss, argnums=tuple(range(7)))(*primals)
+    grads = jax.jit(jax.grad(loss, argnums=tuple(range(7))))(*primals)
     rng = np.random.default_rng(7)
     eps = 1e-6
     for i, name in enumerate(GRAD_NAMES):

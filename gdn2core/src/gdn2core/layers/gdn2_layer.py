@@ -1,0 +1,177 @@
+"""``GDN2Layer``: a Gated DeltaNet-2 token mixer as a Flax NNX module.
+
+Per token ``x_t`` (``d_model``) and head ``h`` (``H`` heads, key size ``dk``, value size
+``dv = expand_v * dk``)::
+
+    q, k, v = SiLU(causal_depthwise_conv(W_q x)), ...(W_k x), ...(W_v x)   # short conv, SiLU
+    q, k    = q / ||q||, k / ||k||                                          # L2 per head
+    b       = sigmoid(W_b x)           (x 2 with lift_b: (0, 2), negative eigenvalues allowed)
+    w       = sigmoid(W_w x)           write gate, value axis
+    g       = -exp(A_log[h]) * softplus(W_f x + dt_bias)   log decay per key channel, g <= 0
+    o, S_T  = gdn2_forward_trainable(q, k, v, w, b, g, scale, h0, config, backend)
+    y       = W_o  GatedRMSNorm(o, SiLU(W_gate x))
+
+The operator contract is ``shared/docs/OPERATOR.md``; the parameterisation of the decay follows
+fla's KDA/GDN-2 layers (``A_log`` per head initialised from U(1, 16), ``dt_bias`` per key channel
+initialised as the inverse softplus of a log-uniform step in ``[dt_min, dt_max]``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gdn2core.api import gdn2_forward_trainable
+from gdn2core.config import KernelConfig
+
+
+def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / ||x|| over the last axis, computed in float32."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+class ShortConv(nnx.Module):
+    """Causal depthwise 1-D convolution over time followed by SiLU: ``(B, T, C) -> (B, T, C)``.
+
+    ``y[t, c] = silu(sum_j weight[j, c] * x[t - (K - 1) + j, c])`` with zeros before ``t = 0``, so
+    the output at ``t`` depends only on inputs at ``<= t``.
+    """
+
+    def __init__(self, channels: int, kernel_size: int = 4, *, rngs: nnx.Rngs):
+        bound = 1.0 / math.sqrt(kernel_size)  # PyTorch's Conv1d default for a depthwise conv
+        self.kernel_size = kernel_size
+        self.weight = nnx.Param(
+            jax.random.uniform(rngs.params(), (kernel_size, channels), jnp.float32, -bound, bound)
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        K = self.kernel_size
+        T = x.shape[1]
+        xp = jnp.pad(x, ((0, 0), (K - 1, 0), (0, 0)))
+        wt = self.weight[...].astype(x.dtype)
+        y = sum(xp[:, j : j + T, :] * wt[j] for j in range(K))
+        return jax.nn.silu(y)
+
+
+class GatedRMSNorm(nnx.Module):
+    """RMSNorm over the last axis, then times ``SiLU(gate)`` (fla's ``FusedRMSNormGated``)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+
+    def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        y = xf * self.weight[...] * jax.nn.silu(gate.astype(jnp.float32))
+        return y.astype(x.dtype)
+
+
+class GDN2Layer(nnx.Module):
+    """Gated DeltaNet-2 token mixer, ``(B, T, d_model) -> (B, T, d_model)``.
+
+    Args:
+        d_model: model width.
+        num_heads: H.
+        head_dim: dk, the key (and query) head size.
+        expand_v: dv = int(expand_v * dk); GDN-2 models often use 2.
+        conv_size: kernel size of the short causal convolution on q, k, v (0 disables it).
+        lift_b: erase gate in (0, 2) instead of (0, 1) (allows negative eigenvalues).
+        backend: gdn2 backend name or "auto" (see ``gdn2 info``).
+        config: ``KernelConfig`` for chunked backends (None: the default).
+        scale: query scale; None for dk ** -0.5.
+        dtype: dtype of the activations fed to the operator (parameters stay float32).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        head_dim: int,
+        *,
+        expand_v: float = 1.0,
+        conv_size: int = 4,
+        lift_b: bool = False,
+        backend: str = "auto",
+        config: KernelConfig | None = None,
+        scale: float | None = None,
+        norm_eps: float = 1e-5,
+        dt_min: float = 1e-3,
+        dt_max: float = 1e-1,
+        dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        dv = int(expand_v * head_dim)
+        if dv < 1 or dv != expand_v * head_dim:
+            raise ValueError(f"expand_v * head_dim must be a positive integer, got {dv}")
+        H, dk = num_heads, head_dim
+        self.d_model, self.num_heads, self.dk, self.dv = d_model, H, dk, dv
+        self.lift_b, self.backend, self.config = lift_b, backend, config
+        self.scale = dk**-0.5 if scale is None else float(scale)
+        self.dtype = dtype
+
+        def lin(i, o):
+            return nnx.Linear(i, o, use_bias=False, dtype=dtype, rngs=rngs)
+
+        self.q_proj, self.k_proj, self.v_proj = (
+            lin(d_model, H * dk),
+            lin(d_model, H * dk),
+            lin(d_model, H * dv),
+        )
+        self.b_proj, self.w_proj, self.f_proj = (
+            lin(d_model, H * dk),
+            lin(d_model, H * dv),
+            lin(d_model, H * dk),
+        )
+        self.gate_proj = lin(d_model, H * dv)
+        self.o_proj = lin(H * dv, d_model)
+        if conv_size > 0:
+            self.q_conv = ShortConv(H * dk, conv_size, rngs=rngs)
+            self.k_conv = ShortConv(H * dk, conv_size, rngs=rngs)
+            self.v_conv = ShortConv(H * dv, conv_size, rngs=rngs)
+        else:
+            self.q_conv = self.k_conv = self.v_conv = None
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (H,), jnp.float32, 1, 16)))
+        dt = jnp.exp(
+            jax.random.uniform(
+                rngs.params(), (H * dk,), jnp.float32, math.log(dt_min), math.log(dt_max)
+            )
+        )
+        self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))  # inverse softplus
+        self.o_norm = GatedRMSNorm(dv, eps=norm_eps)
+
+    def gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(w, b, g)`` for input ``x`` ``(B, T, d_model)``, shaped ``(B, T, H, d)``."""
+        B, T, _ = x.shape
+        H = self.num_heads
+        w = jax.nn.sigmoid(self.w_proj(x)).reshape(B, T, H, self.dv)
+        b = jax.nn.sigmoid(self.b_proj(x)).reshape(B, T, H, self.dk)
+        if self.lift_b:
+            b = 2.0 * b
+        f = self.f_proj(x).astype(jnp.float32) + self.dt_bias[...]
+        g = -jnp.exp(self.A_log[...])[:, None] * jax.nn.softplus(f.reshape(B, T, H, self.dk))
+        return w, b, g.astype(x.dtype)
+
+    def __call__(
+        self, x: jax.Array, *, h0: jax.Array | None = None, return_state: bool = False
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        B, T, _ = x.shape
+        H, dk, dv = self.num_heads, self.dk, self.dv
+        x = x.astype(self.dtype)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_conv is not None:
+            q, k, v = self.q_conv(q), self.k_conv(k), self.v_conv(v)
+        q = _l2norm(q.reshape(B, T, H, dk))
+        k = _l2norm(k.reshape(B, T, H, dk))
+        v = v.reshape(B, T, H, dv)
+        w, b, g = self.gates(x)
+        o, h_final = gdn2_forward_trainable(
+            q, k, v, w, b, g, self.scale, h0, self.config, self.backend
+        )
+        gate = self.gate_proj(x).reshape(B, T, H, dv)
+        y = self.o_proj(self.o_norm(o, gate).reshape(B, T, H * dv))
+        return (y, h_final) if return_state else y
