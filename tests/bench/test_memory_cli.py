@@ -27,11 +27,20 @@ def test_memory_check_pass_fail():
     (ok,) = memory_check([{**row, "temp_bytes": 10, "input_bytes": 100}])
     (bad,) = memory_check([{**row, "temp_bytes": 200, "input_bytes": 100}])
     assert ok.passed and not bad.passed
+    # the target is stated for float32; a bf16 row is reported, not judged
+    assert memory_check([{**row, "dtype": "bfloat16", "temp_bytes": 200, "input_bytes": 100}]) == []
+
+
+def test_memory_local_skips_backends_for_other_platforms(tmp_path):
+    out = tmp_path / "m"
+    argv = ["--shape", "1,16,1,64,64", "--dtypes", "float32", "--no-progress", "--out", str(out)]
+    assert memory_main([*argv, "--backends", "pallas_tpu"]) == 0
+    (row,) = json.loads((out / "memory.json").read_text())["rows"]
+    assert row["status"] == "skipped" and "--target v5e" in row["reason"], row
 
 
 @pytest.mark.tpu_compile
 def test_memory_tpu_target(tmp_path):
-    pytest.importorskip("libtpu")
     out = tmp_path / "m"
     argv = ["--shape", "1,16,1,8,8", "--dtypes", "float32", "--no-progress", "--out", str(out)]
     rc = memory_main([*argv, "--backends", "reference_grad", "--target", "v5e"])

@@ -9,8 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-pytest.importorskip("flax")
 from flax import nnx
 
 from gdn2core.layers import GDN2Layer

@@ -20,7 +20,6 @@ from gdn2core import (
     gdn2_token_serial_reference,
     register_backend,
 )
-from gdn2core.registry import availability_of
 from gdn2core.sharding import (
     TokenSerialBackend,
     collective_summary,
@@ -34,11 +33,10 @@ if jax.device_count() < 8:
     pytest.skip("needs 8 devices (run through test_multidevice.py)", allow_module_level=True)
 
 REF = register_reference_backend()
-# Every case runs on the token-serial backend (fast to compile). The chunked jax_ref backend, once
-# available, runs the context-parallel case that also shards batch (its compiles cost ~15 s each
+# Every case runs on the token-serial backend (fast to compile). The chunked jax_ref backend
+# runs the context-parallel case that also shards batch (its compiles cost ~15 s each
 # here), and pallas_tpu (in interpret mode) one context + batch case of its own.
-CHUNKED = [b for b in ("jax_ref",) if availability_of(b)]
-PALLAS = availability_of("pallas_tpu")
+CHUNKED = ["jax_ref"]
 
 
 def with_backends(cases, chunked_case=None):
@@ -254,7 +252,6 @@ def test_context_parallel_forward_and_errors():
         gdn2_forward(*x.args, backend=REF, mesh=mesh, context_axis="nope")
 
 
-@pytest.mark.skipif(not PALLAS, reason="pallas_tpu not installed")
 def test_pallas_interpret_context_and_batch():
     """The Pallas kernels (TPU interpret mode on the CPU) under shard_map: time over 2 shards,
     batch over 2; outputs, h_final and the seven gradients against the reference."""

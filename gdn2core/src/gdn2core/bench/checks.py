@@ -69,10 +69,12 @@ def speed_checks(results: Sequence[RowResult]) -> list[Check]:
 
 
 def memory_check(rows: Sequence[dict]) -> list[Check]:
-    """jax_ref compiled fwd+bwd temp bytes at ACCEPT_REF below the total size of its inputs."""
+    """jax_ref compiled fwd+bwd temp bytes at ACCEPT_REF below the total size of its inputs,
+    in float32 (the target is stated for float32: bf16 halves the inputs, not the float32
+    state and accumulators, so the bf16 ratio is reported in the table but not judged)."""
     checks = []
     for r in rows:
-        if r.get("backend") != "jax_ref" or r.get("status") != "ok":
+        if r.get("backend") != "jax_ref" or r.get("status") != "ok" or r["dtype"] != "float32":
             continue
         shape = BenchShape.from_dict(r["shape"])
         if shape != ACCEPT_REF:

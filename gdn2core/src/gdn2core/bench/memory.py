@@ -139,6 +139,11 @@ def measure(
                     "status": "ok",
                     "reason": "",
                 }
+                local = _platform_refusal(name) if target is None else ""
+                if local:
+                    row.update(status="skipped", reason=local)
+                    rows.append(row)
+                    continue
                 try:
                     row.update(compiled_memory(name, shape, dtype, config=config, target=target))
                     if rss and target is None:
@@ -151,6 +156,21 @@ def measure(
                 if progress is not None:
                     progress(None)
     return rows
+
+
+def _platform_refusal(name: str) -> str:
+    """Why a backend's local compile would measure nothing here (its kernels need another
+    platform: on a CPU, pallas_tpu compiles to the callback that raises), else ""."""
+    if name == REFERENCE_ROW:
+        return ""
+    info = {i.name: i for i in registry.list_backends()}.get(name)
+    platform = jax.devices()[0].platform
+    if info is None or info.capabilities is None or platform in info.capabilities.platforms:
+        return ""
+    return (
+        f"its kernels run on {'/'.join(info.capabilities.platforms)}, not {platform}; "
+        "use --target v5e for a deviceless TPU compile"
+    )
 
 
 def default_rows(target: str | None) -> list[str]:
