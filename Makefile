@@ -40,6 +40,10 @@ test: lint
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow -q
 
+# The full deviceless TPU compile matrix (part of test-slow; .ci/run runs it after make test).
+test-tpu-compile: $(STAMP)
+	ALLOW_MULTIPLE_LIBTPU_LOAD=1 $(PY) -m pytest -m "tpu_compile and slow" -q
+
 demo: $(STAMP)
 	$(PY) examples/minimal_usage.py
 	$(PY) examples/train_mqar.py

@@ -1,6 +1,6 @@
 """Train a small GDN-2 model on multi-query associative recall (MQAR) on the CPU.
 
-    python examples/train_mqar.py [--backend auto] [--steps 800] [--seed 0]
+    python examples/train_mqar.py [--backend auto] [--steps 800] [--seed 0] [--devices N]
 
 MQAR (Arora et al., "Zoology", 2023) is the standard synthetic test of a recurrent model's memory:
 a sequence first lists ``N`` key-value pairs ``k1 v1 k2 v2 ... kN vN``, then asks for the keys
@@ -12,19 +12,45 @@ in the loss and the accuracy.
 Model: token embedding, ``--layers`` blocks of [RMSNorm -> GDN2Layer -> residual, RMSNorm -> MLP
 -> residual], RMSNorm, linear read-out; Flax NNX, optax AdamW with warm-up and cosine decay.
 Needs the ``flax`` extra. Prints the backend, the shapes, the accuracy and the time.
+
+``--devices N`` (N > 1) trains data-parallel on a 1-D mesh ``("data",)`` of N devices: the batch
+is sharded over it with a ``NamedSharding`` (``--batch`` must divide by N), the parameters and the
+optimiser state are replicated, and each ``GDN2Layer`` gets ``mesh=``/``batch_axes="data"``, so the
+operator runs once per device on its batch shard (``gdn2core.sharding``). Without N real devices,
+N CPU devices are simulated (``XLA_FLAGS=--xla_force_host_platform_device_count=N``, set below
+before JAX is imported): that checks the sharded program, it does not make training faster.
 """
 
+# ruff: noqa: E402  (the device-count flag must be set before JAX is imported)
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+
+
+def _simulate_host_devices(argv: list[str] | None) -> None:
+    """For ``--devices N`` > 1, ask XLA for N CPU devices (only the CPU platform reads the flag;
+    a GPU/TPU platform with N devices is used as is). A no-op once JAX is imported, or when
+    ``XLA_FLAGS`` already sets a count."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--devices", type=int, default=1)
+    n = pre.parse_known_args(sys.argv[1:] if argv is None else argv)[0].devices
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n > 1 and "jax" not in sys.modules and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+if __name__ == "__main__":
+    _simulate_host_devices(None)
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import gdn2core
 from gdn2core.config import KernelConfig
@@ -55,10 +81,17 @@ def mqar_batch(rng: np.random.Generator, batch: int, pairs: int, vocab: int):
 
 
 class Block(nnx.Module):
-    def __init__(self, d_model, heads, head_dim, *, backend, config, rngs):
+    def __init__(self, d_model, heads, head_dim, *, backend, config, rngs, **mesh_axes):
         self.norm1 = nnx.RMSNorm(d_model, rngs=rngs)
         self.mixer = GDN2Layer(
-            d_model, heads, head_dim, expand_v=2, backend=backend, config=config, rngs=rngs
+            d_model,
+            heads,
+            head_dim,
+            expand_v=2,
+            backend=backend,
+            config=config,
+            rngs=rngs,
+            **mesh_axes,
         )
         self.norm2 = nnx.RMSNorm(d_model, rngs=rngs)
         self.up = nnx.Linear(d_model, 4 * d_model, rngs=rngs)
@@ -70,11 +103,22 @@ class Block(nnx.Module):
 
 
 class MQARModel(nnx.Module):
-    def __init__(self, vocab, d_model, layers, heads, head_dim, *, backend, config, rngs):
+    def __init__(
+        self, vocab, d_model, layers, heads, head_dim, *, backend, config, rngs, **mesh_axes
+    ):
+        """``mesh_axes``: ``mesh=``, ``batch_axes=``, ... for every ``GDN2Layer``."""
         self.embed = nnx.Embed(vocab, d_model, rngs=rngs)
         self.blocks = getattr(nnx, "List", list)(
             [
-                Block(d_model, heads, head_dim, backend=backend, config=config, rngs=rngs)
+                Block(
+                    d_model,
+                    heads,
+                    head_dim,
+                    backend=backend,
+                    config=config,
+                    rngs=rngs,
+                    **mesh_axes,
+                )
                 for _ in range(layers)
             ]
         )
@@ -123,11 +167,39 @@ def parse_args(argv):
         help="exit with status 1 if the final eval accuracy is below this",
     )
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        help="data-parallel over N devices (simulated CPU devices when fewer are present)",
+    )
+    args = p.parse_args(argv)
+    if args.devices < 1 or args.batch % args.devices:
+        p.error(f"--batch {args.batch} must divide by --devices {args.devices} (>= 1)")
+    return args
+
+
+def make_mesh(n: int):
+    """A 1-D mesh ``("data",)`` over ``n`` devices: the default platform's, else the CPU's."""
+    devices = jax.devices()
+    if len(devices) < n:
+        cpu = jax.devices("cpu")
+        if len(cpu) < n:
+            raise SystemExit(
+                f"--devices {n}: only {len(devices)} {devices[0].platform} and {len(cpu)} CPU "
+                "devices (JAX was imported before XLA_FLAGS could ask for more?)"
+            )
+        devices = cpu
+    # Auto axes: XLA propagates the batch sharding through the embedding, MLP and loss; the
+    # layers are told the batch axis explicitly.
+    return jax.make_mesh((n,), ("data",), (AxisType.Auto,), devices=devices[:n])
 
 
 def main(argv=None) -> int:
+    _simulate_host_devices(argv)  # effective only when JAX is not imported yet
     args = parse_args(argv)
+    mesh = make_mesh(args.devices) if args.devices > 1 else None
+    mesh_axes = {} if mesh is None else dict(mesh=mesh, batch_axes="data")
     T = 3 * args.pairs
     config = KernelConfig(bt=args.chunk, bc=args.chunk // 2, mb=min(16, args.chunk // 2))
     rng = np.random.default_rng(args.seed)
@@ -142,6 +214,7 @@ def main(argv=None) -> int:
         backend=args.backend,
         config=config,
         rngs=nnx.Rngs(args.seed),
+        **mesh_axes,
     )
     warmup = max(1, args.steps // 10)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, args.lr / 10)
@@ -150,6 +223,17 @@ def main(argv=None) -> int:
         optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=args.weight_decay),
     )
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    if mesh is None:
+        put = jnp.asarray
+    else:
+        # parameters and optimiser state replicated on the mesh; batches split along "data"
+        replicated = NamedSharding(mesh, PartitionSpec())
+        state = nnx.state((model, optimizer))
+        nnx.update((model, optimizer), jax.device_put(state, replicated))
+        batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
+
+        def put(a):
+            return jax.device_put(a, batch_sharding)
 
     H, dk, dv = args.heads, args.head_dim, 2 * args.head_dim
     zk = jnp.zeros((args.batch, T, H, dk))
@@ -170,6 +254,20 @@ def main(argv=None) -> int:
         f"+ MLP, {n_params:,} parameters; operator q/k {(args.batch, T, H, dk)}, "
         f"v {(args.batch, T, H, dv)}, chunk {config.bt}"
     )
+    if mesh is None:
+        print(f"devices: 1 ({jax.devices()[0]})")
+    else:
+        kind = mesh.devices.flat[0].platform
+        print(
+            f"devices: {args.devices} {kind}; mesh {dict(mesh.shape)} over "
+            f"{[d.id for d in mesh.devices.flat]}; batch sharded {args.batch // args.devices} "
+            "per device"
+            + (
+                "  (simulated CPU devices: checks the sharding, not a speed-up)"
+                if kind == "cpu"
+                else ""
+            )
+        )
 
     @nnx.jit
     def train_step(model, optimizer, tokens, targets, mask):
@@ -188,7 +286,7 @@ def main(argv=None) -> int:
     ]
 
     def evaluate() -> tuple[float, float]:
-        out = [eval_step(model, *map(jnp.asarray, b)) for b in eval_set]
+        out = [eval_step(model, *map(put, b)) for b in eval_set]
         return tuple(float(np.mean([o[i] for o in out])) for i in (0, 1))
 
     start = time.perf_counter()
@@ -209,7 +307,7 @@ def main(argv=None) -> int:
         compile_s = None
         for step in range(1, args.steps + 1):
             batch = mqar_batch(rng, args.batch, args.pairs, args.vocab)
-            loss, acc = train_step(model, optimizer, *map(jnp.asarray, batch))
+            loss, acc = train_step(model, optimizer, *map(put, batch))
             if compile_s is None:
                 loss = float(loss)
                 compile_s = time.perf_counter() - start

@@ -107,3 +107,39 @@ def test_train_mqar_smoke():
     )
     assert f"backend: {name}" in out
     assert "final eval accuracy" in out
+
+
+def test_train_mqar_two_devices():
+    """``--devices 2``: two simulated CPU devices, the batch sharded over a 1-D mesh."""
+    name = _backend()
+    out = _run(
+        "train_mqar.py",
+        "--backend",
+        name,
+        "--devices",
+        "2",
+        "--steps",
+        "2",
+        "--batch",
+        "4",
+        "--pairs",
+        "4",
+        "--vocab",
+        "16",
+        "--d-model",
+        "16",
+        "--layers",
+        "1",
+        "--heads",
+        "1",
+        "--head-dim",
+        "8",
+        "--eval-every",
+        "2",
+        "--eval-batches",
+        "1",
+        "--no-progress",
+    )
+    assert "devices: 2 cpu; mesh {'data': 2}" in out, out
+    assert "batch sharded 2 per device" in out, out
+    assert "final eval accuracy" in out, out

@@ -91,3 +91,30 @@ def test_bad_expand_v():
 def test_import_gdn2core_does_not_import_flax():
     code = "import sys, gdn2core; gdn2core.list_backends(); assert 'flax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_mesh_axes_passed_through(ref_backend, monkeypatch):
+    """The constructor's mesh axes reach the operator; on a 1-device mesh the result is unchanged
+    (the multi-device run is ``tests/examples``' ``train_mqar.py --devices 2``)."""
+    from gdn2core.layers import gdn2_layer
+
+    seen = []
+    real = gdn2_layer.gdn2_forward_trainable
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gdn2_layer, "gdn2_forward_trainable", spy)
+    mesh = jax.make_mesh((1,), ("data",))
+    sharded = _layer(ref_backend.name, mesh=mesh, batch_axes="data", context_axis=None)
+    plain = _layer(ref_backend.name)
+    x = _x()
+    y_sharded, y_plain = sharded(x), plain(x)
+    assert seen[0] == dict(mesh=mesh, batch_axes="data", head_axes=None, context_axis=None)
+    assert seen[1] == dict(mesh=None, batch_axes=None, head_axes=None, context_axis=None)
+    np.testing.assert_allclose(y_sharded, y_plain, rtol=1e-6, atol=1e-6)
+    # static under nnx.jit (the mesh is hashable graph metadata, not a traced leaf)
+    np.testing.assert_allclose(
+        nnx.jit(lambda m, x: m(x))(sharded, x), y_plain, rtol=1e-5, atol=1e-6
+    )

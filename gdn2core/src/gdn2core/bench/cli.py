@@ -93,14 +93,14 @@ def _progress(total: int, enabled: bool) -> Iterator[tuple]:
         yield describe, advance
 
 
-def _print_table(results) -> None:
+def _print_table(results, note: str = "") -> None:
     from rich.console import Console
     from rich.table import Table
 
     from gdn2core.bench.programs import MODES
     from gdn2core.bench.runner import BASELINES
 
-    table = Table(title="gdn2 bench (median ms, compile excluded)")
+    table = Table(title="gdn2 bench (median ms, compile excluded)" + (f"; {note}" if note else ""))
     for col in ("shape", "dtype", "backend", "status", "fwd", "bwd", "fwd+bwd"):
         table.add_column(col)
     for b in BASELINES:
@@ -146,16 +146,44 @@ def bench_main(argv: Sequence[str]) -> int:
         metavar="JSON",
         help="add the rows of another report in the same schema (e.g. a peer's) to the table",
     )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard the batch over N devices (simulated CPU devices when fewer are present; "
+        "re-runs itself in a subprocess): checks outputs and gradients against the "
+        "single-device reference; timings are not a speed claim. Every B must divide by N. "
+        "Reports go to --out/devices-N",
+    )
     args = p.parse_args(list(argv))
     _check_dtypes(args.dtypes)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.devices < 1:
+        p.error("--devices must be >= 1")
+    shapes = _shapes(args)
+    place, note, out = None, "", args.out
+    if args.devices > 1:
+        bad = [s.label for s in shapes if s.B % args.devices]
+        if bad:
+            p.error(f"--devices {args.devices}: batch B must divide by it; not at {bad}")
+        from gdn2core.bench import devices as devices_mod
+
+        found = devices_mod.find_devices(args.devices)
+        if found is None:
+            return devices_mod.reexec(list(argv), args.devices)
+        mesh = devices_mod.make_mesh(found)
+        place, note = devices_mod.batch_placer(mesh), devices_mod.SPEED_NOTE
+        out = args.out / f"devices-{args.devices}"
+        print(devices_mod.describe(mesh))
+        for s in shapes:
+            print(f"  {s.label}: {devices_mod.plan_label(mesh, s)}")
 
     from gdn2core.bench import checks as checks_mod
     from gdn2core.bench import report
     from gdn2core.bench.runner import Bench, plan_rows
 
-    shapes = _shapes(args)
     plans = plan_rows(args.backends, interpret=args.interpret, config=_config(args))
     with _progress(len(plans) * len(shapes) * len(args.dtypes), not args.no_progress) as (
         describe,
@@ -170,9 +198,11 @@ def bench_main(argv: Sequence[str]) -> int:
             seed=args.seed,
             progress=describe,
             advance=advance,
+            place=place,
         )
         results = bench.run()
-    checks = checks_mod.speed_checks(results)
+    # simulated devices share this host's cores: no speed targets are judged on them
+    checks = checks_mod.speed_checks(results) if args.devices == 1 else []
     for path in args.include:
         results += report.rows_from_json(path)
     meta = {
@@ -182,11 +212,14 @@ def bench_main(argv: Sequence[str]) -> int:
         "seed": args.seed,
         "config": args.config or "default",
     }
-    _print_table(results)
-    json_path, md_path = report.write_reports(args.out, results, checks, meta)
+    if args.devices > 1:
+        meta["devices"] = args.devices
+        meta["note"] = note + " (outputs and gradients gated against the single-device reference)"
+    _print_table(results, note)
+    json_path, md_path = report.write_reports(out, results, checks, meta)
     print(f"wrote {json_path} and {md_path}")
     if args.plot:
-        png = report.plot(results, args.out / "bench.png")
+        png = report.plot(results, out / "bench.png")
         print(f"wrote {png}" if png else "no timed rows to plot")
     for c in checks:
         print(c.line())

@@ -99,6 +99,8 @@ def to_markdown(results: Sequence[RowResult], checks: Sequence[Check], meta: dic
         "speed-up = baseline median / row median (same run).",
         "",
     ]
+    if meta.get("devices"):
+        lines += [f"**{meta['devices']} devices, batch sharded: {meta.get('note', '')}.**", ""]
     baselines = [b for b in BASELINES if any(r.backend == b for r in results)]
     header = ["shape", "dtype", "backend", "status"]
     header += [f"{MODE_LABELS[m]} ms" for m in MODES]

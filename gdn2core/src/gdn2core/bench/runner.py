@@ -190,7 +190,10 @@ class Bench:
         seed: int = 0,
         progress: Callable[[str], None] | None = None,
         advance: Callable[[], None] | None = None,
+        place: Callable | None = None,
     ):
+        """``place(xs, h0, cts) -> (xs, h0, cts)``: where the rows' inputs live (e.g. sharded
+        over a mesh, ``gdn2 bench --devices``); the trusted results always run unplaced."""
         self.plans = list(plans)
         self.shapes = list(shapes)
         self.dtypes = list(dtypes)
@@ -199,6 +202,7 @@ class Bench:
         self.seed = seed
         self.progress = progress or (lambda _d: None)
         self.advance = advance or (lambda: None)
+        self.place = place
         self.device_bytes = device_memory_bytes()
         self._trusted: dict[tuple[BenchShape, str], tuple[dict, str] | str] = {}
         self._jax_ref_checked: dict[tuple[BenchShape, str], gate_mod.GateResult | str] = {}
@@ -273,6 +277,8 @@ class Bench:
         """Compile the three modes, run each once (warm-up); with ``time``, also return the
         compile times and a closure that times the repeats."""
         xs, h0, cts = make_inputs(shape, dtype, self.seed)
+        if self.place is not None:
+            xs, h0, cts = self.place(xs, h0, cts)
         c_fwd, t_fwd = compile_program(progs.fwd, xs, h0)
         c_vjp, t_vjp = compile_program(progs.vjp_fwd, xs, h0)
         c_fb, t_fb = compile_program(progs.fwdbwd, xs, h0, cts)

@@ -85,6 +85,11 @@ class GDN2Layer(nnx.Module):
         config: ``KernelConfig`` for chunked backends (None: the default).
         scale: query scale; None for dk ** -0.5.
         dtype: dtype of the activations fed to the operator (parameters stay float32).
+        mesh, batch_axes, head_axes, context_axis: passed to ``gdn2_forward_trainable`` (see
+            :mod:`gdn2core.sharding`): with a multi-device mesh, or inputs on a multi-device
+            ``NamedSharding``, each device runs the operator on its shard; ``context_axis``
+            splits the sequence too (T must divide by its size). None (the default): the mesh is
+            found from the inputs' sharding, and a single device runs the plain path.
     """
 
     def __init__(
@@ -103,6 +108,10 @@ class GDN2Layer(nnx.Module):
         dt_min: float = 1e-3,
         dt_max: float = 1e-1,
         dtype: jnp.dtype = jnp.float32,
+        mesh=None,
+        batch_axes: str | tuple[str, ...] | None = None,
+        head_axes: str | tuple[str, ...] | None = None,
+        context_axis: str | None = None,
         rngs: nnx.Rngs,
     ):
         dv = int(expand_v * head_dim)
@@ -113,6 +122,10 @@ class GDN2Layer(nnx.Module):
         self.lift_b, self.backend, self.config = lift_b, backend, config
         self.scale = dk**-0.5 if scale is None else float(scale)
         self.dtype = dtype
+        # static sharding options (plain attributes: not parameters, not traced)
+        self.mesh, self.context_axis = mesh, context_axis
+        self.batch_axes = tuple(batch_axes) if isinstance(batch_axes, list) else batch_axes
+        self.head_axes = tuple(head_axes) if isinstance(head_axes, list) else head_axes
 
         def lin(i, o):
             return nnx.Linear(i, o, use_bias=False, dtype=dtype, rngs=rngs)
@@ -170,7 +183,20 @@ class GDN2Layer(nnx.Module):
         v = v.reshape(B, T, H, dv)
         w, b, g = self.gates(x)
         o, h_final = gdn2_forward_trainable(
-            q, k, v, w, b, g, self.scale, h0, self.config, self.backend
+            q,
+            k,
+            v,
+            w,
+            b,
+            g,
+            self.scale,
+            h0,
+            self.config,
+            self.backend,
+            mesh=self.mesh,
+            batch_axes=self.batch_axes,
+            head_axes=self.head_axes,
+            context_axis=self.context_axis,
         )
         gate = self.gate_proj(x).reshape(B, T, H, dv)
         y = self.o_proj(self.o_norm(o, gate).reshape(B, T, H * dv))
