@@ -167,22 +167,21 @@ def _beta_inputs(case: Case, scalar_decay: bool):
     return x, beta, b, w, g
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.id)
-def test_reduces_to_kimi_delta_attention(variant):
-    """b = w = beta: KDA, written independently (tests/support/numpy_ref.py)."""
-    case = Case(
-        B=1,
-        T=2 * variant.config.bt + 3,
-        H=2,
-        dk=variant.head_sizes[0][0],
-        dv=variant.head_sizes[0][1],
-        decay="strong",
-        seed=21,
-    )
-    x, beta, b, w, g = _beta_inputs(case, scalar_decay=False)
+def _run_with_beta_gates(variant: Variant, scalar_decay: bool, decay: str, seed: int):
+    """The backend with b = w = beta (and optionally scalar g): inputs, beta, g and its output."""
+    dk, dv = variant.head_sizes[0]
+    case = Case(B=1, T=2 * variant.config.bt + 3, H=2, dk=dk, dv=dv, decay=decay, seed=seed)
+    x, beta, b, w, g = _beta_inputs(case, scalar_decay=scalar_decay)
     o, h = gdn2_forward(
         x.q, x.k, x.v, w, b, g, scale=0.5, h0=x.h0, config=variant.config, backend=variant.backend
     )
+    return x, beta, g, o, h
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.id)
+def test_reduces_to_kimi_delta_attention(variant):
+    """b = w = beta: KDA, written independently (tests/support/numpy_ref.py)."""
+    x, beta, g, o, h = _run_with_beta_gates(variant, False, "strong", 21)
     o_np, h_np = kda_numpy_loop(x.q, x.k, x.v, g, beta, 0.5, x.h0)
     assert rel_err(o, o_np) < TOL_FWD["float32"]
     assert rel_err(h, h_np) < TOL_FWD["float32"]
@@ -191,18 +190,7 @@ def test_reduces_to_kimi_delta_attention(variant):
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.id)
 def test_reduces_to_gated_deltanet(variant):
     """Additionally scalar g: Gated DeltaNet in its own transposed convention."""
-    case = Case(
-        B=1,
-        T=2 * variant.config.bt + 3,
-        H=2,
-        dk=variant.head_sizes[0][0],
-        dv=variant.head_sizes[0][1],
-        seed=22,
-    )
-    x, beta, b, w, g = _beta_inputs(case, scalar_decay=True)
-    o, h = gdn2_forward(
-        x.q, x.k, x.v, w, b, g, scale=0.5, h0=x.h0, config=variant.config, backend=variant.backend
-    )
+    x, beta, g, o, h = _run_with_beta_gates(variant, True, "mixed", 22)
     o_np, h_np = gated_deltanet_numpy_loop(x.q, x.k, x.v, g[..., 0], beta, 0.5, x.h0)
     assert rel_err(o, o_np) < TOL_FWD["float32"]
     assert rel_err(h, h_np) < TOL_FWD["float32"]

@@ -77,34 +77,17 @@ def test_train_gdn2_layer():
     assert "step 0: loss" in out and "loss before" in out
 
 
+# A tiny MQAR run: seconds, not a learning check.
+TINY_MQAR = (
+    "--steps", "2", "--batch", "4", "--pairs", "4", "--vocab", "16", "--d-model", "16",
+    "--layers", "1", "--heads", "1", "--head-dim", "8", "--eval-every", "2",
+    "--eval-batches", "1", "--no-progress",
+)  # fmt: skip
+
+
 def test_train_mqar_smoke():
     name = _backend()
-    out = _run(
-        "train_mqar.py",
-        "--backend",
-        name,
-        "--steps",
-        "2",
-        "--batch",
-        "4",
-        "--pairs",
-        "4",
-        "--vocab",
-        "16",
-        "--d-model",
-        "16",
-        "--layers",
-        "1",
-        "--heads",
-        "1",
-        "--head-dim",
-        "8",
-        "--eval-every",
-        "2",
-        "--eval-batches",
-        "1",
-        "--no-progress",
-    )
+    out = _run("train_mqar.py", "--backend", name, *TINY_MQAR)
     assert f"backend: {name}" in out
     assert "final eval accuracy" in out
 
@@ -112,34 +95,7 @@ def test_train_mqar_smoke():
 def test_train_mqar_two_devices():
     """``--devices 2``: two simulated CPU devices, the batch sharded over a 1-D mesh."""
     name = _backend()
-    out = _run(
-        "train_mqar.py",
-        "--backend",
-        name,
-        "--devices",
-        "2",
-        "--steps",
-        "2",
-        "--batch",
-        "4",
-        "--pairs",
-        "4",
-        "--vocab",
-        "16",
-        "--d-model",
-        "16",
-        "--layers",
-        "1",
-        "--heads",
-        "1",
-        "--head-dim",
-        "8",
-        "--eval-every",
-        "2",
-        "--eval-batches",
-        "1",
-        "--no-progress",
-    )
+    out = _run("train_mqar.py", "--backend", name, "--devices", "2", *TINY_MQAR)
     assert "devices: 2 cpu; mesh {'data': 2}" in out, out
     assert "batch sharded 2 per device" in out, out
     assert "final eval accuracy" in out, out
