@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
-PACKAGES := gdn2core backends/jax_ref backends/scan_baseline backends/pallas_tpu
+PACKAGES := gdn2core backends/jax_ref backends/scan_baseline backends/pallas_tpu tools
 STAMP := $(VENV)/.installed
 export JAX_PLATFORMS ?= cpu
 export PYTHONUNBUFFERED := 1

@@ -4,16 +4,10 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax
 import pytest
 
 
 @pytest.fixture
-def x64():
-    """float64 enabled for the duration of one test."""
-    previous = jax.config.read("jax_enable_x64")
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", previous)
+def x64(gdn2_x64):
+    """float64 enabled for the duration of one test (the kit's fixture, gdn2core.testing)."""
+    yield

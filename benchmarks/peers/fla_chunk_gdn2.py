@@ -14,7 +14,7 @@ GPU backend, whichever this JAX has).
 
 Argument order: fla is ``chunk_gdn2(q, k, v, g, b, w, scale, initial_state, output_final_state)``;
 ours is ``(q, k, v, w, b, g, scale, h0)``. Both use the (B, T, H, d) layout, the natural-log decay
-``g`` on the key axis, and an initial/final state of shape (B, H, dk, dv) (OPERATOR.md).
+``g`` on the key axis, and an initial/final state of shape (B, H, dk, dv) (docs/operator.md).
 
 What is timed (CUDA events around each call, after a warm-up, ``--repeats`` times, median/min/max
 and IQR as in ``gdn2 bench``): ``fwd`` (no grad), ``bwd`` (``torch.autograd.backward`` on a graph
@@ -22,7 +22,8 @@ kept from one forward), ``fwdbwd`` (forward and backward). Triton's autotuning a
 happen in the warm-up and are reported as ``compile_s`` of the first call.
 
 The gate: fla's outputs (o, h_final) and gradients (dq, dk, dv, dw, db, dg, dh0) for the same
-cotangents are compared with ours by the rel-RMS tolerances of ``gdn2core.bench.gate``; ours is
+cotangents are compared with ours by the gate of ``gdn2_tools.bench.gate`` (the conformance kit's
+metric and tolerances, gdn2core.testing); ours is
 the token-serial reference where affordable, else jax_ref, both in float32 on the dtype-rounded
 inputs. A row that fails is written ``rejected`` and not timed.
 """
@@ -39,9 +40,17 @@ from pathlib import Path
 
 import numpy as np
 
-from gdn2core.bench import gate as gate_mod
-from gdn2core.bench.inputs import GRAD_NAMES, make_cotangents_np, make_inputs_np
-from gdn2core.bench.shapes import SHAPE_LISTS, BenchShape, parse_shape
+from gdn2_tools.bench import gate as gate_mod
+from gdn2_tools.bench.inputs import bench_case
+from gdn2_tools.bench.shapes import SHAPE_LISTS, BenchShape, parse_shape
+from gdn2core.testing import GRAD_NAMES, TOLERANCES, make_arrays
+
+
+def _arrays(shape: BenchShape, seed: int) -> tuple[dict, dict]:
+    """The bench's inputs as float32 NumPy arrays (the kit's generator), and the cotangents."""
+    arr = {n: a.astype(np.float32) for n, a in make_arrays(bench_case(shape, seed)).items()}
+    return arr, {"do": arr.pop("do"), "dh": arr.pop("dh")}
+
 
 SCHEMA = "gdn2-bench/1"
 ROW_NAME = "fla_chunk_gdn2"
@@ -52,9 +61,9 @@ def ours_f32(shape: BenchShape, dtype: str, seed: int, trusted: str) -> dict[str
     import jax
     import jax.numpy as jnp
 
-    from gdn2core.bench.programs import programs_for, reference_programs
+    from gdn2_tools.bench.programs import programs_for, reference_programs
 
-    arr, cts = make_inputs_np(shape, seed), make_cotangents_np(shape, seed)
+    arr, cts = _arrays(shape, seed)
     xs = tuple(
         jnp.asarray(arr[n], dtype=dtype).astype(jnp.float32) for n in ("q", "k", "v", "w", "b", "g")
     )
@@ -71,7 +80,7 @@ def torch_inputs(shape: BenchShape, dtype: str, seed: int):
     import torch
 
     tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    arr, cts = make_inputs_np(shape, seed), make_cotangents_np(shape, seed)
+    arr, cts = _arrays(shape, seed)
 
     def t(x, dt_=tdt):
         return torch.from_numpy(x).to("cuda", dt_).requires_grad_(True)
@@ -252,7 +261,9 @@ def main(argv=None) -> int:
             "python": platform.python_version(),
             "host": platform.node(),
         },
-        "gate_tolerances": gate_mod.TOLERANCES,
+        "gate_tolerances": {
+            d: {str(q): t for q, t in tol.items()} for d, tol in TOLERANCES.items()
+        },
         "command": "benchmarks/peers/fla_chunk_gdn2.py",
         "repeats": args.repeats,
         "seed": args.seed,

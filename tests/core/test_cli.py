@@ -1,17 +1,36 @@
-"""The gdn2 command."""
+"""The gdn2 command: subcommands come from hooks; ``gdn2 info`` tells what a call would do."""
 
 import subprocess
 import sys
 
-from gdn2core.cli import main
+import pytest
+
+from gdn2core.cli import discover_commands, main
+from tests.support.plugins import fake_distribution, installed_plugins, on_path, write_dist_info
 
 
-def test_info_lists_every_backend_with_availability(capsys):
+def test_info_lists_every_backend_with_its_verdict_here(capsys, monkeypatch):
+    monkeypatch.delenv("GDN2_BACKEND", raising=False)
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    for name in ("jax_ref", "scan_baseline", "pallas_tpu"):
-        assert name in out
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.strip()}
+    assert "no: runs on tpu, this call on cpu" in lines["pallas_tpu"]
+    assert "yes" in lines["jax_ref"]
+    assert "no: used only when named" in lines["scan_baseline"]
     assert "jax 0." in out and "platform cpu" in out
+    assert "GDN2_BACKEND is not set" in out
+
+
+def test_info_shows_the_environment_variable(capsys, monkeypatch):
+    monkeypatch.setenv("GDN2_BACKEND", "nope")
+    assert main(["info"]) == 0
+    assert "GDN2_BACKEND=nope: calls with backend='auto' run 'nope' (NOT INSTALLED" in (
+        capsys.readouterr().out
+    )
+    monkeypatch.setenv("GDN2_BACKEND", "scan_baseline")
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "GDN2_BACKEND=scan_baseline: calls with backend='auto' run 'scan_baseline'." in out
 
 
 def test_console_script_runs():
@@ -24,3 +43,55 @@ def test_console_script_runs():
 def test_unknown_command_is_an_error(capsys):
     assert main(["frobnicate"]) == 2
     assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_subcommands_come_from_hooks(tmp_path, capsys):
+    """gdn2core's own, the tools', and a third-party backend's own subcommand."""
+    with installed_plugins(tmp_path, "gdn2-toy-backend"):
+        commands, problems = discover_commands()
+        assert {"info", "conformance", "bench", "memory", "mesh-report", "tpu-report"} <= set(
+            commands
+        )
+        assert commands["toy-hello"].target == "gdn2_toy_backend:hello_main" and not problems
+        assert main(["toy-hello", "world"]) == 0
+    assert "hello from toy_serial world" in capsys.readouterr().out
+
+
+def test_a_broken_plugin_costs_only_its_own_commands(tmp_path, capsys):
+    source = (
+        "from gdn2core.plugin import Command, hookimpl\n\n@hookimpl\ndef gdn2_commands():\n"
+        "    return [Command('info', 'hijack', 'x:y'), 'not a command']\n"
+    )
+    (tmp_path / "fault_tool.py").write_text(source)
+    write_dist_info(tmp_path, "bad-tool", "1.0", {"gdn2.tools": {"bad": "fault_tool"}})
+    fake_distribution(
+        tmp_path, "bad-import", {"fault_imp": "import nope_nope\n"}, {"imp": "fault_imp"}
+    )
+    with on_path(tmp_path, prefixes=("fault_",)):
+        commands, problems = discover_commands()
+        assert commands["info"].target == "gdn2core.commands:info_main"
+        assert any("command 'info' ignored" in p for p in problems), problems
+        assert any("gave a str, not a Command" in p for p in problems), problems
+        assert any("plugin imp (bad-import): ModuleNotFoundError" in p for p in problems), problems
+        assert main(["--help"]) == 0
+        assert "plugin problems:" in capsys.readouterr().out
+        assert main(["info"]) == 0
+
+
+def test_conformance_without_pytest_says_how_to_install(monkeypatch, capsys):
+    import importlib.util
+
+    from gdn2core import commands
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "pytest" else real(n, *a)
+    )
+    assert commands.conformance_main(["jax_ref"]) == 2
+    err = capsys.readouterr().err
+    assert "needs pytest, which is not installed" in err and "gdn2core[testing] @ git+" in err
+
+
+def test_conformance_needs_a_name():
+    with pytest.raises(SystemExit):
+        main(["conformance"])

@@ -34,6 +34,36 @@ def test_config_errors_say_which_constraint(kwargs, message):
         KernelConfig(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"bt": "64"},
+        {"bt": 64.0},
+        {"mb": True},
+        {"clip": "60"},
+        {"interpret": "yes"},
+        {"wy_eps": None},
+    ],
+)
+def test_config_types_are_strict(kwargs):
+    """A string, float or bool is never converted into an int field (or vice versa)."""
+    field = next(iter(kwargs))
+    with pytest.raises(ValidationError, match=f"{field}\n  Input should be a valid"):
+        KernelConfig(**kwargs)
+
+
+def test_model_copy_validates_its_updates():
+    base = KernelConfig()
+    assert base.model_copy(update={"interpret": True}).interpret
+    assert base.model_copy(update={"bt": 32, "bc": 16}) == KernelConfig(bt=32, bc=16)
+    with pytest.raises(ValidationError, match="bt must equal 2 \\* bc"):
+        base.model_copy(update={"bt": 32})
+    with pytest.raises(ValidationError, match="Input should be a valid integer"):
+        base.model_copy(update={"bt": "64"})
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        base.model_copy(update={"tile": 3})
+
+
 def test_config_is_frozen_and_a_jit_static():
     cfg = KernelConfig(bt=32, bc=16, mb=8)
     with pytest.raises(ValidationError):
@@ -56,7 +86,7 @@ def test_presets_are_exact_and_ordered():
 
 
 def _spec(B=8, T=4096, H=6, dk=128, dv=128, dtype="float32"):
-    return OpSpec(B, T, H, dk, dv, dtype, dk**-0.5, False)
+    return OpSpec(B, T, H, dk, dv, dtype, dk**-0.5)
 
 
 def test_estimate_memory_formula():

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from gdn2core import gdn2_token_serial_reference
-from tests.support.inputs import Case, make_inputs, rel_err
-from tests.support.numpy_ref import gdn2_numpy_loop
+from gdn2core.testing import Case, make_inputs, rel_err
+from gdn2core.testing.numpy_ref import gdn2_numpy_loop
 
 CASES = [
     Case(B=1, T=9, H=2, dk=4, dv=6, h0=True),

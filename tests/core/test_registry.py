@@ -4,7 +4,6 @@ import pytest
 
 import gdn2core
 from gdn2core import (
-    Backend,
     BackendNotFoundError,
     BackendUnsupportedError,
     Capabilities,
@@ -20,7 +19,7 @@ from gdn2core import (
     which_backend,
 )
 from gdn2core.config import DEFAULT_CONFIG
-from tests.support.inputs import Case, make_inputs, rel_err
+from gdn2core.testing import Case, ReferenceBackend, make_inputs, rel_err
 from tests.support.plugins import installed_plugins
 
 FIRST_PARTY = {"jax_ref", "scan_baseline", "pallas_tpu"}
@@ -44,7 +43,7 @@ def test_first_party_backends_are_discovered_through_entry_points():
         assert infos[name].version == "0.1.0"
         assert infos[name].source.startswith(f"entry point gdn2_{name}.plugin")
         assert not infos[name].broken
-    assert infos["scan_baseline"].available
+    assert infos["scan_baseline"].available and not infos["scan_baseline"].auto
 
 
 def test_importing_gdn2core_imports_no_backend():
@@ -78,7 +77,9 @@ def test_broken_plugin_is_listed_and_isolated(toy_plugins):
     assert "gdn2_dependency_that_does_not_exist" in broken.reason
     assert list_backends()[-1].name == "broken_demo"  # broken ones sort last
     assert infos["toy_serial"].available and FIRST_PARTY <= set(infos)
-    with pytest.raises(BackendNotFoundError, match="'broken_demo' failed to load: broken"):
+    with pytest.raises(
+        BackendNotFoundError, match="'broken_demo' cannot be used: broken: ModuleNotFoundError"
+    ):
         get_backend("broken_demo")
 
 
@@ -90,9 +91,24 @@ def test_auto_picks_highest_priority_backend_that_supports_the_spec(toy_plugins)
 
 
 def test_auto_never_picks_pallas_tpu_off_a_tpu():
-    spec = OpSpec(1, 64, 1, 128, 128, "float32", 0.1, False)
+    spec = OpSpec(1, 64, 1, 128, 128, "float32", 0.1)
     assert resolve_backend(spec, DEFAULT_CONFIG).name != "pallas_tpu"
-    assert not get_backend("pallas_tpu").auto_selectable()
+    # ... but would pick it for a call that runs on a TPU (its declared platform)
+    assert resolve_backend(spec, DEFAULT_CONFIG, platform="tpu").name == "pallas_tpu"
+
+
+def test_info_tells_what_a_call_would_do_here():
+    """On this CPU host pallas_tpu is not available for ordinary calls: the row says why and
+    what would make a named call run; the same verdict refuses the call itself."""
+    infos = {i.name: i for i in list_backends()}
+    pallas = infos["pallas_tpu"]
+    assert not pallas.available and not pallas.auto
+    assert "runs on tpu, this call on cpu" in pallas.reason
+    assert "KernelConfig(interpret=True)" in pallas.reason
+    x = make_inputs(Case(dk=64, dv=64))
+    with pytest.raises(BackendUnsupportedError, match="runs on tpu, this call on cpu"):
+        gdn2_forward(*x.args, backend="pallas_tpu")
+    assert infos["jax_ref"].available and infos["jax_ref"].auto
 
 
 def test_environment_variable_selects_backend(monkeypatch, toy_plugins):
@@ -102,8 +118,16 @@ def test_environment_variable_selects_backend(monkeypatch, toy_plugins):
     # an explicit name wins over the environment
     assert which_backend(*x.args, backend="toy_serial") == "toy_serial"
     monkeypatch.setenv("GDN2_BACKEND", "nonexistent")
-    with pytest.raises(BackendNotFoundError, match="'nonexistent' is not installed"):
+    with pytest.raises(
+        BackendNotFoundError, match="^GDN2_BACKEND=nonexistent: .*'nonexistent' is not installed"
+    ):
         gdn2_forward(*x.args)
+    monkeypatch.setenv("GDN2_BACKEND", "toy_serial")
+    big = make_inputs(Case(dk=16, dv=8))
+    with pytest.raises(
+        BackendUnsupportedError, match=r"'toy_serial' \(from GDN2_BACKEND=toy_serial\)"
+    ):
+        gdn2_forward(*big.args)
 
 
 def test_named_backend_not_installed_lists_installed_and_pip_command():
@@ -113,18 +137,23 @@ def test_named_backend_not_installed_lists_installed_and_pip_command():
     msg = str(err.value)
     assert "'triton_gpu' is not installed" in msg
     assert "scan_baseline" in msg and "jax_ref" in msg
-    assert "install the package that provides the 'triton_gpu' gdn2 backend" in msg
+    assert "otherwise install the package that provides it" in msg
 
 
-def test_known_backend_missing_names_its_pip_command(monkeypatch):
-    from gdn2core import registry
+def test_install_hint_matches_the_readme_command():
+    """The hint for a missing first-party backend is the README's git command for it."""
+    from pathlib import Path
 
-    real = registry._all
-    monkeypatch.setattr(
-        registry, "_all", lambda: {k: v for k, v in real().items() if k != "jax_ref"}
+    from gdn2core.install import backend_hint
+
+    hint = backend_hint("jax_ref")
+    command = hint.split(": ", 1)[1].split(";")[0]
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert (
+        command
+        == 'pip install "gdn2-jax-ref @ git+https://github.com/<org>/gdn2.git#subdirectory=backends/jax_ref"'
     )
-    with pytest.raises(BackendNotFoundError, match="pip install gdn2-jax-ref"):
-        get_backend("jax_ref")
+    assert command in readme
 
 
 def test_named_backend_that_cannot_run_the_spec_raises_its_reason(toy_plugins):
@@ -133,18 +162,15 @@ def test_named_backend_that_cannot_run_the_spec_raises_its_reason(toy_plugins):
         BackendUnsupportedError, match=r"'toy_serial' cannot run this call: dk=16 not in \(4, 8\)"
     ):
         gdn2_forward(*x.args, backend="toy_serial")
-    spec = OpSpec(64, 65536, 16, 256, 256, "float32", 0.1, False)
+    spec = OpSpec(64, 65536, 16, 256, 256, "float32", 0.1)
     with pytest.raises(BackendUnsupportedError, match="associative scan needs ~.* GiB"):
         resolve_backend(spec, DEFAULT_CONFIG, "scan_baseline")
 
 
-class ForwardOnly(Backend):
-    name = "forward_only_test"
-    priority = 5000
-    capabilities = Capabilities(trainable=False)
-
-    def forward(self, q, k, v, w, b, g, h0, *, spec, config):
-        return gdn2_token_serial_reference(q, k, v, w, b, g, spec.scale, h0)
+def ForwardOnly():
+    return ReferenceBackend(
+        "forward_only_test", priority=5000, capabilities=Capabilities(trainable=False)
+    )
 
 
 def test_register_backend_in_process():
@@ -165,7 +191,7 @@ def test_register_backend_in_process():
 
 
 def test_register_backend_rejects_non_backends():
-    with pytest.raises(TypeError, match="expected a gdn2core.Backend instance"):
+    with pytest.raises(TypeError, match="expected a gdn2core.plugin.Backend instance"):
         register_backend(object())
 
 

@@ -18,8 +18,14 @@ def test_spec_from_valid_inputs():
     spec = OpSpec.from_inputs(*inputs())
     assert (spec.batch, spec.seq_len, spec.heads, spec.dk, spec.dv) == (B, T, H, DK, DV)
     assert spec.scale == pytest.approx(DK**-0.5)
-    assert spec.dtype == "float32" and not spec.has_h0
-    assert hash(spec) == hash(OpSpec.from_inputs(*inputs()))
+    assert spec.dtype == "float32"
+    # h0 given or not: one spec (one jit cache entry), since the backend always receives an h0
+    h0 = jnp.zeros((B, H, DK, DV), jnp.float32)
+    assert (
+        hash(spec)
+        == hash(OpSpec.from_inputs(*inputs()))
+        == hash(OpSpec.from_inputs(*inputs(), h0=h0))
+    )
 
 
 @pytest.mark.parametrize(
@@ -77,6 +83,19 @@ def test_dtype_errors():
         OpSpec.from_inputs(*args)
     with pytest.raises(TypeError, match="q: expected one of"):
         OpSpec.from_inputs(*inputs(jnp.float16))
+
+
+@pytest.mark.parametrize("scale", ["0.5", True, jnp.ones(()), [0.5]])
+def test_scale_must_be_a_real_number(scale):
+    with pytest.raises(TypeError, match="scale: expected a real number or None, got"):
+        OpSpec.from_inputs(*inputs(), scale=scale)
+
+
+def test_scale_accepts_ints_and_numpy_floats():
+    import numpy as np
+
+    assert OpSpec.from_inputs(*inputs(), scale=1).scale == 1.0
+    assert OpSpec.from_inputs(*inputs(), scale=np.float32(0.25)).scale == 0.25
 
 
 @pytest.mark.parametrize("scale", [float("nan"), float("inf")])

@@ -1,6 +1,6 @@
 """The jax_ref custom VJP against jax.grad of the token-serial reference, and its transformations.
 
-Errors are ``rel = max|actual - expected| / max|expected|`` (tests.support.inputs.rel_err).
+Errors are ``rel = max|actual - expected| / max|expected|`` (gdn2core.testing.rel_err).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from gdn2_jax_ref.forward import gdn2_chunk_forward
 from gdn2_jax_ref.params import ChunkParams
 from gdn2_jax_ref.vjp import Residuals, _fwd, gdn2_chunk_trainable
 from gdn2core import KernelConfig, OpSpec, gdn2_token_serial_reference
-from tests.support.inputs import Case, make_inputs, rel_err
+from gdn2core.testing import Case, make_inputs, rel_err
 
 NAMES = ("q", "k", "v", "w", "b", "g", "h0")
 
@@ -93,7 +93,7 @@ def test_custom_vjp_matches_autodiff_of_reference_f64(
     bt, bc, mb = blocking
     params, _ = params_for(inp, KernelConfig(bt=bt, bc=bc, mb=mb), jnp.float64)
     (o, h), (o_ref, h_ref), g_ours, g_ref = jax_ref_and_reference(inp, params)
-    # float64: the same operator summed in another order; ALGORITHM.md 8 measures <= 2.5e-14 for
+    # float64: the same operator summed in another order; docs/algorithm.md 8 measures <= 2.5e-14 for
     # all of these. 1e-10 leaves room for T's growth with b up to 2, while any wrong term in
     # the derivation is O(1e-2) or worse.
     tol = 1e-10
@@ -114,17 +114,17 @@ def test_wy_eps_forward_bias_and_backward_consistency(x64):
     (o, _), g_custom = run("jax_ref", params, inp)
     o_ref, _ = gdn2_token_serial_reference(*inp.args, params.scale, inp.h0)
     bias = rel_err(o, o_ref)
-    # ALGORITHM.md 5.3 measures a relative bias ~ eps; allow 1e-4 .. 1e-1 around eps = 1e-2.
+    # docs/algorithm.md 5.3 measures a relative bias ~ eps; allow 1e-4 .. 1e-1 around eps = 1e-2.
     assert 1e-4 < bias < 1e-1
     _, g_plain = run("plain", params, inp)
     for name, a, e in zip(NAMES, g_custom, g_plain, strict=True):
-        # float64 rounding only (ALGORITHM.md 5.3 measures 1.6e-15); 1e-10 as above.
+        # float64 rounding only (docs/algorithm.md 5.3 measures 1.6e-15); 1e-10 as above.
         assert rel_err(a, e) < 1e-10, name
 
 
 def test_float32_and_bfloat16(x64):
     """float32 against the float64 reference; bfloat16 against the float32 result of the same
-    (bf16-rounded) inputs, as OPERATOR.md prescribes."""
+    (bf16-rounded) inputs, as docs/operator.md prescribes."""
     case = Case(B=1, T=50, H=2, dk=16, dv=8, b_max=2.0, decay="strong", seed=5)
     inp64 = make_inputs(case, jnp.float64)
     cfg = KernelConfig(bt=16, bc=8, mb=4)
@@ -136,7 +136,7 @@ def test_float32_and_bfloat16(x64):
     assert params32.acc == "float32"
     (o, h), g32 = run("jax_ref", params32, inp32)
     assert o.dtype == jnp.float32 and h.dtype == jnp.float32
-    # float32: ALGORITHM.md 5.4 measures 2e-6 .. 1e-5 for the chunked algorithm; strong decay and
+    # float32: docs/algorithm.md 5.4 measures 2e-6 .. 1e-5 for the chunked algorithm; strong decay and
     # b up to 2 amplify rounding a few-fold: 1e-4 forward, 3e-4 gradients (as the conformance
     # suite).
     assert rel_err(o, o_ref) < 1e-4 and rel_err(h, h_ref) < 1e-4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -86,6 +87,28 @@ def test_causal(ref_backend):
 def test_bad_expand_v():
     with pytest.raises(ValueError):
         GDN2Layer(D, H, DK, expand_v=0.3, rngs=nnx.Rngs(0))
+
+
+def test_bad_backend_or_config_fails_at_construction():
+    from gdn2core import BackendNotFoundError
+
+    with pytest.raises(BackendNotFoundError, match="'jax_reff' is not installed"):
+        GDN2Layer(D, H, DK, backend="jax_reff", rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="config: expected a KernelConfig or None, got dict"):
+        GDN2Layer(D, H, DK, config={"bt": 32}, rngs=nnx.Rngs(0))
+
+
+def test_flax_installed_but_broken_is_named(tmp_path):
+    """A flax that fails to import is reported as such, not as missing."""
+    fake = tmp_path / "flax"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('flax built for another jax')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", "import gdn2core.layers"], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode != 0
+    assert "Flax, which is installed but fails to import (ImportError: flax built" in proc.stderr
 
 
 def test_import_gdn2core_does_not_import_flax():

@@ -8,6 +8,7 @@ import pytest
 
 from gdn2core import KernelConfig, get_backend, list_backends
 from gdn2core.spec import OpSpec
+from gdn2core.verdict import verdict
 
 from .helpers import make_inputs
 
@@ -15,21 +16,29 @@ SMALL = KernelConfig(bt=16, bc=8, mb=8)
 
 
 def _spec(dk=128, dv=128, dtype="float32", T=64):
-    return OpSpec(1, T, 2, dk, dv, dtype, dk**-0.5, True)
+    return OpSpec(1, T, 2, dk, dv, dtype, dk**-0.5)
 
 
 def test_registered_with_capabilities():
     info = {i.name: i for i in list_backends()}["pallas_tpu"]
-    assert info.available and info.priority == 200
+    assert not info.broken and info.priority == 200
     caps = get_backend("pallas_tpu").capabilities
     assert caps.dk == (64, 128, 256) and caps.dv == (64, 128, 256)
     assert caps.dtypes == ("float32", "bfloat16") and caps.trainable
-    assert caps.platforms == ("tpu",)
+    assert caps.platforms == ("tpu",) and caps.interpret and caps.auto
 
 
-def test_not_auto_selectable_off_tpu():
-    verdict = get_backend("pallas_tpu").auto_selectable()
-    assert not verdict and "only on a TPU" in verdict.reason
+def test_verdict_here_and_on_a_tpu():
+    """Off a TPU: auto never picks it, a named call needs interpret mode; on a TPU: both yes."""
+    backend = get_backend("pallas_tpu")
+    spec = _spec()
+    auto_cpu = verdict(backend, spec, SMALL, trainable=True, auto=True, platform="cpu")
+    assert not auto_cpu and "runs on tpu, this call on cpu" in auto_cpu.reason
+    named_cpu = verdict(backend, spec, SMALL, trainable=True, auto=False, platform="cpu")
+    assert not named_cpu and "KernelConfig(interpret=True)" in named_cpu.reason
+    interpret = SMALL.model_copy(update={"interpret": True})
+    assert verdict(backend, spec, interpret, trainable=True, auto=False, platform="cpu")
+    assert verdict(backend, spec, SMALL, trainable=True, auto=True, platform="tpu")
 
 
 @pytest.mark.parametrize(
@@ -42,9 +51,11 @@ def test_not_auto_selectable_off_tpu():
         (_spec(dk=256, dv=256), KernelConfig(bt=256, bc=128, mb=16), "VMEM"),
     ],
 )
-def test_supports_refuses_with_reason(spec, config, needle):
-    verdict = get_backend("pallas_tpu").supports(spec, config)
-    assert not verdict and needle in verdict.reason
+def test_verdict_refuses_with_reason(spec, config, needle):
+    answer = verdict(
+        get_backend("pallas_tpu"), spec, config, trainable=True, auto=True, platform="tpu"
+    )
+    assert not answer and needle in answer.reason
 
 
 @pytest.mark.parametrize(("dk", "dv"), [(64, 64), (128, 256), (256, 256)])
@@ -53,7 +64,8 @@ def test_supports_head_sizes_and_presets(dk, dv):
 
     backend = get_backend("pallas_tpu")
     for config in PRESETS.values():
-        assert backend.supports(_spec(dk, dv, "bfloat16", T=4096), config)
+        spec = _spec(dk, dv, "bfloat16", T=4096)
+        assert verdict(backend, spec, config, trainable=True, auto=True, platform="tpu")
 
 
 def test_cpu_without_interpret_fails_with_fix():

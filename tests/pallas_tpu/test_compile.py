@@ -3,12 +3,18 @@ compiled scratch HBM stays within budget. Compile-time analysis only (no TPU run
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
-from gdn2_pallas_tpu.tpu_compile import TEMP_LIMIT_BYTES, TRAIN_SHAPE, compile_for_tpu
+from gdn2_tools.tpu import compile_op
 from gdn2core import DEFAULT_CONFIG, PRESETS
 
-B, T, H = TRAIN_SHAPE
+#: The train shape of the memory target (B, T, H) and its budget of compiled scratch HBM.
+B, T, H = 8, 4096, 6
+TEMP_LIMIT_BYTES = 256 * 2**20
+#: The kernels through the public ops, compiled deviceless (gdn2-tools).
+compile_for_tpu = functools.partial(compile_op, "pallas_tpu")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -28,7 +34,7 @@ def test_eight_heads_per_step_layout_compiles_in_place():
     from gdn2core import KAGGLE_SMALL
     from gdn2core.spec import OpSpec
 
-    assert make_plan(OpSpec(B, T, 8, 128, 128, "bfloat16", 1.0, True), KAGGLE_SMALL).hb == 8
+    assert make_plan(OpSpec(B, T, 8, 128, 128, "bfloat16", 1.0), KAGGLE_SMALL).hb == 8
     fwd = compile_for_tpu("v5e:1x1", "forward", B, T, 8, 128, 128, "bfloat16", KAGGLE_SMALL)
     assert "tpu_custom_call" in fwd.as_text()
     assert fwd.memory_analysis().temp_size_in_bytes < 2**20
@@ -47,11 +53,12 @@ def test_vmapped_train_step_compiles_for_v5e():
     Interpret mode cannot run this (see the conformance variant's ``vmap`` flag)."""
     import jax
     import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
 
-    from gdn2_pallas_tpu.tpu_compile import _sharding
+    from gdn2_tools.tpu import topology_mesh
     from gdn2core import gdn2_forward_trainable
 
-    sharding = _sharding("v5e:1x1")
+    sharding = NamedSharding(topology_mesh("v5e:1x1"), PartitionSpec())
     spec = jax.ShapeDtypeStruct((3, 1, 128, 2, 128), jnp.float32, sharding=sharding)
     h0 = jax.ShapeDtypeStruct((3, 1, 2, 128, 128), jnp.float32, sharding=sharding)
 

@@ -41,7 +41,7 @@ def test_hybrid_forward_matches_reference():
 
 
 def test_wy_eps_matches_jax_ref():
-    """wy_eps = 1e-2 biases the operator by O(eps) (ALGORITHM.md 5.3); both backends must apply
+    """wy_eps = 1e-2 biases the operator by O(eps) (docs/algorithm.md 5.3); both backends must apply
     the same damping in the forward and the backward."""
     pallas = KernelConfig(bt=16, bc=8, mb=8, wy_eps=1e-2, interpret=True)
     ref = KernelConfig(bt=16, bc=8, mb=8, wy_eps=1e-2)

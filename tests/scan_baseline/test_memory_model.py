@@ -22,7 +22,7 @@ def test_estimate_bounds_compiled_temp_bytes(T, dk, dv):
 
     step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7))))
     temp = step.lower(key, key, val, val, key, key, h0).compile().memory_analysis()
-    estimate = estimated_bytes(OpSpec(B, T, H, dk, dv, "float32", 0.1, True))
+    estimate = estimated_bytes(OpSpec(B, T, H, dk, dv, "float32", 0.1))
     one_map = B * H * T * dk * (dk + dv) * 4
     # The estimate is an upper bound, and not a loose one (within 3 buffers of the measurement).
     assert temp.temp_size_in_bytes <= estimate

@@ -1,8 +1,10 @@
-"""Make the distributions under tests/plugins/ discoverable without pip.
+"""Make plugin distributions discoverable without pip, as an installed wheel would be.
 
-For each folder, write ``<name>-<version>.dist-info`` (METADATA and entry_points.txt, from its
-pyproject.toml) into a temporary site directory and put that directory and the folder's ``src``
-on ``sys.path``: importlib.metadata then finds the entry points exactly as for an installed wheel.
+A distribution is a ``<name>-<version>.dist-info`` folder (METADATA with its Requires-Dist, and
+entry_points.txt) in a temporary site directory on ``sys.path``: importlib.metadata then finds
+its entry points exactly as for an installed wheel. Its modules are either a folder under
+``tests/plugins/`` (:func:`installed_plugins`) or source text written next to the dist-info
+(:func:`fake_distribution`, for the fault-injection tests).
 """
 
 from __future__ import annotations
@@ -17,27 +19,47 @@ from gdn2core import registry
 PLUGINS = Path(__file__).resolve().parent.parent / "plugins"
 
 
-def write_dist_info(project_dir: Path, site: Path) -> None:
-    meta = tomllib.loads((project_dir / "pyproject.toml").read_text())["project"]
-    dist = site / f"{meta['name'].replace('-', '_')}-{meta['version']}.dist-info"
+def write_dist_info(
+    site: Path,
+    name: str,
+    version: str,
+    entry_points: dict[str, dict[str, str]],
+    requires: tuple[str, ...] = (),
+) -> None:
+    """Write the metadata of one distribution into ``site``."""
+    dist = site / f"{name.replace('-', '_')}-{version}.dist-info"
     dist.mkdir(parents=True)
-    (dist / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: {meta['name']}\nVersion: {meta['version']}\n"
-    )
+    meta = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+    meta += [f"Requires-Dist: {r}" for r in requires]
+    (dist / "METADATA").write_text("\n".join(meta) + "\n")
     lines = []
-    for group, entries in meta.get("entry-points", {}).items():
+    for group, entries in entry_points.items():
         lines.append(f"[{group}]")
-        lines += [f"{name} = {target}" for name, target in entries.items()]
+        lines += [f"{ep} = {target}" for ep, target in entries.items()]
     (dist / "entry_points.txt").write_text("\n".join(lines) + "\n")
 
 
+def fake_distribution(
+    site: Path,
+    name: str,
+    modules: dict[str, str],
+    backends: dict[str, str],
+    *,
+    version: str = "1.0",
+    requires: tuple[str, ...] = (),
+) -> None:
+    """A distribution whose modules are the given source texts (``{"mod_name": source}``) and
+    whose ``gdn2.backends`` entry points are ``backends`` (``{"name": "mod_name"}``)."""
+    for mod, source in modules.items():
+        (site / f"{mod}.py").write_text(source)
+    write_dist_info(site, name, version, {"gdn2.backends": backends}, requires)
+
+
 @contextlib.contextmanager
-def installed_plugins(site: Path, *names: str):
-    """Expose the named tests/plugins distributions for the duration of the block."""
-    added = [str(site)]
-    for name in names:
-        write_dist_info(PLUGINS / name, site)
-        added.append(str(PLUGINS / name / "src"))
+def on_path(site: Path, *extra: Path, prefixes: tuple[str, ...] = ()):
+    """``site`` (and ``extra`` source folders) on ``sys.path`` for the block, the registry
+    rediscovering plugins on entry and exit; modules starting with ``prefixes`` are forgotten."""
+    added = [str(site), *map(str, extra)]
     sys.path[:0] = added
     registry.refresh()
     try:
@@ -45,6 +67,31 @@ def installed_plugins(site: Path, *names: str):
     finally:
         for path in added:
             sys.path.remove(path)
-        for mod in [m for m in sys.modules if m.startswith(("gdn2_toy", "gdn2_broken"))]:
+        for mod in [m for m in sys.modules if prefixes and m.startswith(prefixes)]:
             del sys.modules[mod]
         registry.refresh()
+
+
+@contextlib.contextmanager
+def installed_plugins(site: Path, *names: str):
+    """Expose the named ``tests/plugins`` distributions for the duration of the block."""
+    sources = []
+    for name in names:
+        meta = tomllib.loads((PLUGINS / name / "pyproject.toml").read_text())["project"]
+        write_dist_info(site, meta["name"], meta["version"], meta.get("entry-points", {}))
+        sources.append(PLUGINS / name / "src")
+    with on_path(site, *sources, prefixes=("gdn2_toy", "gdn2_broken", "gdn2_wrong")):
+        yield
+
+
+def subprocess_env(site: Path, *names: str) -> dict[str, str]:
+    """Environment for a child process that sees the named ``tests/plugins`` distributions."""
+    import os
+
+    sources = []
+    for name in names:
+        meta = tomllib.loads((PLUGINS / name / "pyproject.toml").read_text())["project"]
+        write_dist_info(site, meta["name"], meta["version"], meta.get("entry-points", {}))
+        sources.append(str(PLUGINS / name / "src"))
+    path = os.pathsep.join([str(site), *sources, os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path.rstrip(os.pathsep), "JAX_PLATFORMS": "cpu"}

@@ -1,7 +1,9 @@
-"""gdn2core: the Gated DeltaNet-2 operator spec, reference, public API and backend registry.
+"""gdn2core: the Gated DeltaNet-2 operator: spec, config, token-serial reference, public functions,
+backend registry and multi-device execution.
 
-Importing this package imports no backend; backends are discovered through the entry-point group
-``gdn2.backends`` on first use.
+Importing this package imports no backend and no tool; backends are discovered through the
+entry-point group ``gdn2.backends`` on first use. Backend authors import :mod:`gdn2core.plugin`;
+the conformance kit is :mod:`gdn2core.testing`.
 """
 
 from gdn2core.api import gdn2_forward, gdn2_forward_trainable, which_backend

@@ -1,50 +1,93 @@
-"""What a backend is: the base class every backend distribution subclasses, and its small types.
+"""What a backend is: the base class every backend subclasses, its capabilities and its verdicts.
 
 A backend distribution exposes a module under the entry-point group ``gdn2.backends``; that module
-implements the pluggy hook ``gdn2_backend()`` (see :mod:`gdn2core.hooks`) returning one instance of
-a :class:`Backend` subclass.
+implements the hook ``gdn2_backend()`` (see :mod:`gdn2core.hooks`) returning one instance of a
+:class:`Backend` subclass. Backend authors import all of this from :mod:`gdn2core.plugin`.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, ClassVar
+import re
+from typing import ClassVar, Final, Literal
 
 import jax
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from gdn2core.config import KernelConfig
-from gdn2core.spec import OpSpec
+from gdn2core.spec import SUPPORTED_DTYPES, OpSpec
+
+Platform = Literal["cpu", "gpu", "tpu"]
+DType = Literal["float32", "bfloat16", "float64"]
+PLATFORMS: Final[tuple[Platform, ...]] = ("cpu", "gpu", "tpu")
+
+#: What a backend name may look like (it is also an entry-point name and a CLI argument).
+NAME_PATTERN: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
+#: Names no backend may take: ``backend="auto"`` selects, it never names a backend.
+RESERVED_NAMES: Final = frozenset({"auto"})
 
 
 class Capabilities(BaseModel):
-    """What a backend can run, as advertised by ``list_backends()`` and ``gdn2 info``."""
+    """What a backend can run, declared once; the core enforces it on every call.
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    Fields:
+        dtypes: input dtypes it accepts.
+        dk, dv: key and value head sizes it accepts (None: any).
+        trainable: whether ``forward_trainable`` gives gradients (False: forward only).
+        platforms: where its kernels run natively (``backend="auto"`` picks it only there).
+        auto: whether ``backend="auto"`` may pick it at all (False for baselines and references,
+            which run only when named).
+        interpret: whether ``KernelConfig(interpret=True)`` runs its kernels off ``platforms`` (for
+            example Pallas TPU kernels in interpret mode on a CPU); named calls only.
+    """
 
-    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float64")
-    dk: tuple[int, ...] | None = None  # None: any key head size
-    dv: tuple[int, ...] | None = None  # None: any value head size
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    dtypes: tuple[DType, ...] = Field(SUPPORTED_DTYPES, min_length=1)
+    dk: tuple[PositiveInt, ...] | None = None
+    dv: tuple[PositiveInt, ...] | None = None
     trainable: bool = True
-    platforms: tuple[str, ...] = ("cpu", "gpu", "tpu")
+    platforms: tuple[Platform, ...] = Field(PLATFORMS, min_length=1)
+    auto: bool = True
+    interpret: bool = False
+
+    def admits(self, spec: OpSpec) -> Verdict:
+        """Whether ``spec``'s dtype and head sizes are within these capabilities.
+
+        Args:
+            spec: the call's spec.
+
+        Returns:
+            A :class:`Verdict` whose reason names the refused field.
+        """
+        if spec.dtype not in self.dtypes:
+            return Verdict(False, f"dtype {spec.dtype} not in {self.dtypes}")
+        if self.dk is not None and spec.dk not in self.dk:
+            return Verdict(False, f"dk={spec.dk} not in {self.dk}")
+        if self.dv is not None and spec.dv not in self.dv:
+            return Verdict(False, f"dv={spec.dv} not in {self.dv}")
+        return YES
 
     def describe(self) -> str:
+        """One line for ``gdn2 info``: dtypes, head sizes, trainability, platforms."""
         heads = "any" if self.dk is None else "/".join(map(str, self.dk))
         vals = "any" if self.dv is None else "/".join(map(str, self.dv))
         parts = [
-            ",".join(d.replace("float", "f").replace("bf16", "bf16") for d in self.dtypes),
+            ",".join(d.replace("float", "f") for d in self.dtypes),
             f"dk {heads}",
             f"dv {vals}",
             "trainable" if self.trainable else "forward only",
-            "on " + "/".join(self.platforms),
+            "on " + "/".join(self.platforms) + (" (+interpret)" if self.interpret else ""),
         ]
+        if not self.auto:
+            parts.append("named only")
         return "; ".join(parts)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Verdict:
-    """A yes/no with the reason, for availability and ``supports``."""
+    """A yes or no with the reason (the reason names what is refused)."""
 
     ok: bool
     reason: str = ""
@@ -53,58 +96,118 @@ class Verdict:
         return self.ok
 
 
-YES: Verdict = Verdict(True)
+YES: Final = Verdict(True)
 
 
 class Backend(abc.ABC):
     """A GDN-2 implementation. Subclasses set the class attributes and implement ``forward``.
 
+    Class attributes (validated when the backend is loaded; a bad one makes only this backend
+    broken): ``name`` (the entry-point name), ``priority`` (an int; higher wins under
+    ``backend="auto"``), ``capabilities`` (a :class:`Capabilities`), and optionally
+    ``shard_map_check_vma`` (a bool: have ``shard_map`` type-check the per-shard call).
+
     Every array method receives validated inputs in the public layout: q, k, b, g ``(B, T, H, dk)``;
     v, w ``(B, T, H, dv)``; ``h0`` is always present (zeros when the user gave none), float32
     ``(B, H, dk, dv)`` (float64 for float64 inputs). They return ``(o, h_final)`` with o in v's
-    dtype and h_final in h0's dtype.
+    dtype and h_final in h0's dtype. The core has already checked the capabilities, the platform
+    and :meth:`supports` before a method runs.
     """
 
     name: ClassVar[str]
-    priority: ClassVar[int]  # higher wins under backend="auto"
+    priority: ClassVar[int]
     capabilities: ClassVar[Capabilities]
+    shard_map_check_vma: ClassVar[bool] = False
 
     def availability(self) -> Verdict:
-        """Whether this backend can run at all in this process (libraries, platform)."""
+        """Whether this backend can run at all in this process (e.g. an optional library).
+
+        Returns:
+            :data:`YES`, or a :class:`Verdict` saying what is missing.
+        """
         return YES
 
-    def auto_selectable(self) -> Verdict:
-        """Whether ``backend="auto"`` may pick it here (a named backend ignores this)."""
-        return self.availability()
-
     def supports(self, spec: OpSpec, config: KernelConfig) -> Verdict:
-        """Whether this spec and config can run; the reason names what is refused."""
-        caps = self.capabilities
-        if spec.dtype not in caps.dtypes:
-            return Verdict(False, f"dtype {spec.dtype} not in {caps.dtypes}")
-        if caps.dk is not None and spec.dk not in caps.dk:
-            return Verdict(False, f"dk={spec.dk} not in {caps.dk}")
-        if caps.dv is not None and spec.dv not in caps.dv:
-            return Verdict(False, f"dv={spec.dv} not in {caps.dv}")
+        """Refusals beyond :class:`Capabilities` (for example a blocking that does not fit).
+
+        Args:
+            spec: the call's spec (already within the capabilities).
+            config: the call's kernel config.
+
+        Returns:
+            :data:`YES`, or a :class:`Verdict` naming what is refused. A method that raises is
+            treated as a refusal of this call only (and logged).
+        """
+        del spec, config
         return YES
 
     @abc.abstractmethod
     def forward(
         self, q, k, v, w, b, g, h0, *, spec: OpSpec, config: KernelConfig
     ) -> tuple[jax.Array, jax.Array]:
-        """Inference forward; need not be differentiable."""
+        """Inference forward; need not be differentiable.
+
+        Args:
+            q, k, v, w, b, g, h0: the validated inputs (see the class docstring).
+            spec: their spec.
+            config: the kernel config.
+
+        Returns:
+            ``(o, h_final)``.
+        """
 
     def forward_trainable(
         self, q, k, v, w, b, g, h0, *, spec: OpSpec, config: KernelConfig
     ) -> tuple[jax.Array, jax.Array]:
-        """Differentiable forward (gradients in all of q, k, v, w, b, g, h0)."""
-        if not self.capabilities.trainable:
-            raise NotImplementedError(f"backend {self.name!r} is forward-only")
+        """Differentiable forward (gradients in all of q, k, v, w, b, g, h0).
+
+        The default differentiates :meth:`forward` with JAX autodiff; a backend with a custom VJP
+        overrides it. Arguments and result as for :meth:`forward`.
+        """
         return self.forward(q, k, v, w, b, g, h0, spec=spec, config=config)
 
     def __repr__(self) -> str:
         return f"<gdn2 backend {self.name!r} priority={self.priority}>"
 
 
-def describe_object(obj: Any) -> str:
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+def validate_backend(backend: object) -> Backend:
+    """Check every field a backend declares; the error names the field and what it holds.
+
+    Args:
+        backend: what a plugin's hook (or ``register_backend``) handed over.
+
+    Returns:
+        ``backend``, now known to be a well-formed :class:`Backend`.
+
+    Raises:
+        TypeError: not a Backend, or a field of the wrong type.
+        ValueError: a field of the right type with a bad value (e.g. a reserved name).
+    """
+    if not isinstance(backend, Backend):
+        raise TypeError(
+            f"expected a gdn2core.plugin.Backend instance, got {type(backend).__name__}"
+        )
+    name = getattr(backend, "name", None)
+    if not isinstance(name, str):
+        raise TypeError(f"name: expected a str, got {_show(name)}")
+    if not NAME_PATTERN.fullmatch(name) or name in RESERVED_NAMES:
+        raise ValueError(
+            f"name: expected letters, digits, '_', '.', '-' (not starting with a digit) and not "
+            f"{sorted(RESERVED_NAMES)}, got {name!r}"
+        )
+    priority = getattr(backend, "priority", None)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise TypeError(f"priority: expected an int, got {_show(priority)}")
+    caps = getattr(backend, "capabilities", None)
+    if not isinstance(caps, Capabilities):
+        raise TypeError(f"capabilities: expected a gdn2core.plugin.Capabilities, got {_show(caps)}")
+    check_vma = getattr(backend, "shard_map_check_vma", False)
+    if not isinstance(check_vma, bool):
+        raise TypeError(f"shard_map_check_vma: expected a bool, got {_show(check_vma)}")
+    return backend
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"{type(value).__name__} {text}"

@@ -1,79 +1,112 @@
-"""The ``gdn2`` command. ``gdn2 info`` lives here; other subcommands are loaded on demand from the
-modules in ``SUBCOMMANDS`` so that ``gdn2 info`` stays light and a missing optional dependency of
-one subcommand breaks only that one."""
+"""The ``gdn2`` command. Its subcommands come from the ``gdn2_commands`` hook: gdn2core's own
+(``info``, ``conformance``, :mod:`gdn2core.commands`), and those of installed tool and backend
+plugins. A subcommand's module is imported only when it runs, so a broken or heavy plugin costs
+the others nothing."""
 
 from __future__ import annotations
 
-import argparse
 import importlib
+import importlib.metadata as md
 import sys
 from collections.abc import Sequence
-from typing import Final
 
-#: name -> ("module:function", help); the function takes the remaining argv, returns an exit code.
-SUBCOMMANDS: Final[dict[str, tuple[str, str]]] = {
-    "bench": ("gdn2core.bench.cli:bench_main", "time every backend (correctness-gated)"),
-    "memory": ("gdn2core.bench.cli:memory_main", "compiled peak memory per backend and shape"),
-    "tpu-report": (
-        "gdn2_pallas_tpu.report:main",
-        "per-kernel VMEM, compiled HBM, FLOPs, bytes and roofline for a TPU target",
-    ),
-    "mesh-report": (
-        "gdn2core.sharding.report:main",
-        "per-chip HBM of the sharded train step on a TPU pod topology",
-    ),
-}
+import pluggy
+
+from gdn2core import commands as builtin
+from gdn2core.hooks import BACKENDS_GROUP, PROJECT, TOOLS_GROUP, Command, HookSpecs
 
 
-def info_main(argv: Sequence[str]) -> int:
-    argparse.ArgumentParser(prog="gdn2 info", description="List gdn2 backends.").parse_args(argv)
-    import jax
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:200]
 
-    from gdn2core import list_backends
-    from gdn2core.platform import default_platform
 
-    rows = []
-    for info in list_backends():
-        caps = info.capabilities.describe() if info.capabilities else "-"
-        state = "yes" if info.available else f"no: {info.reason}"
-        prio = "-" if info.priority is None else str(info.priority)
-        rows.append((info.name, info.version, state, prio, caps))
-    header = ("backend", "version", "available", "priority", "capabilities")
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    line = "  ".join(f"{{:<{w}}}" for w in widths)
-    print(line.format(*header))
-    print(line.format(*("-" * w for w in widths)))
-    for row in rows:
-        print(line.format(*row))
-    if not rows:
-        print("(no backend installed: pip install gdn2-jax-ref)")
-    print(f"\njax {jax.__version__}, platform {default_platform()}, devices {jax.device_count()}")
-    return 0
+def discover_commands() -> tuple[dict[str, Command], list[str]]:
+    """Every subcommand the hooks provide, and the problems met on the way.
+
+    Returns:
+        ``(commands by name, problems)``. gdn2core's own commands come first and cannot be
+        replaced; of two plugins offering one name the first keeps it and the other is reported.
+    """
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(HookSpecs)
+    pm.register(builtin, name="gdn2core")
+    problems: list[str] = []
+    for group in (TOOLS_GROUP, BACKENDS_GROUP):
+        for ep in md.entry_points(group=group):
+            dist = ep.dist.metadata["Name"] if ep.dist is not None else "unknown"
+            try:
+                plugin = ep.load()
+                if not pm.is_registered(plugin):
+                    pm.register(plugin, name=f"{dist}:{ep.name}")
+            except Exception as err:  # one broken plugin never hides the others' commands
+                problems.append(
+                    f"plugin {ep.name} ({dist}): {type(err).__name__}: {_first_line(err)}"
+                )
+    commands: dict[str, Command] = {}
+    impls = pm.hook.gdn2_commands.get_hookimpls()
+    impls.sort(key=lambda i: i.plugin is not builtin)
+    for impl in impls:
+        owner = pm.get_name(impl.plugin)
+        try:
+            offered = list(impl.function())
+        except Exception as err:
+            problems.append(
+                f"{owner}: gdn2_commands() raised {type(err).__name__}: {_first_line(err)}"
+            )
+            continue
+        for cmd in offered:
+            if not isinstance(cmd, Command):
+                problems.append(
+                    f"{owner}: gdn2_commands() gave a {type(cmd).__name__}, not a Command"
+                )
+            elif cmd.name in commands:
+                problems.append(f"{owner}: command {cmd.name!r} ignored (already provided)")
+            else:
+                commands[cmd.name] = cmd
+    return commands, problems
+
+
+def _usage(commands: dict[str, Command], problems: list[str]) -> str:
+    width = max(map(len, commands), default=8) + 2
+    lines = ["usage: gdn2 {" + ",".join(commands) + "} ...", ""]
+    lines += [f"  {c.name:<{width}}{c.help}" for c in commands.values()]
+    if problems:
+        lines += ["", "plugin problems:"] + [f"  {p}" for p in problems]
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``gdn2 COMMAND ARGS...``.
+
+    Args:
+        argv: the arguments after ``gdn2`` (default: ``sys.argv[1:]``).
+
+    Returns:
+        The subcommand's exit code (2 for a usage error).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
-    names = ["info", *SUBCOMMANDS]
+    commands, problems = discover_commands()
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: gdn2 {" + ",".join(names) + "} ...\n")
-        print(f"  {'info':<12} list the discovered backends, their availability and capabilities")
-        for name, (_, help_) in SUBCOMMANDS.items():
-            print(f"  {name:<12} {help_}")
+        print(_usage(commands, problems))
         return 0 if argv else 2
-    cmd, rest = argv[0], argv[1:]
-    if cmd == "info":
-        return info_main(rest)
-    if cmd not in SUBCOMMANDS:
-        print(f"gdn2: unknown command {cmd!r}; choose from {', '.join(names)}", file=sys.stderr)
+    name, rest = argv[0], argv[1:]
+    cmd = commands.get(name)
+    if cmd is None:
+        print(
+            f"gdn2: unknown command {name!r}; choose from {', '.join(commands)} (installed tool "
+            "and backend plugins add more; README, section Install)",
+            file=sys.stderr,
+        )
         return 2
-    target, _ = SUBCOMMANDS[cmd]
-    module_name, func_name = target.split(":")
+    module_name, _, func_name = cmd.target.partition(":")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        print(f"gdn2 {cmd}: unavailable ({err}); is its package installed?", file=sys.stderr)
+        func = getattr(importlib.import_module(module_name), func_name)
+    except Exception as err:
+        print(
+            f"gdn2 {name}: cannot load {cmd.target}: {type(err).__name__}: {err}", file=sys.stderr
+        )
         return 2
-    return int(getattr(module, func_name)(rest) or 0)
+    return int(func(rest) or 0)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """``KernelConfig``: the blocking and numerics knobs every chunked backend reads, and its presets.
 
-Fields (names as in ``shared/docs/ALGORITHM.md``):
+Fields (names and sections as in ``docs/algorithm.md``):
 
 - ``bt``: chunk length C. Cost per token grows with C (section 9); the TPU MXU wants C >= 64.
 - ``bc``: sub-chunk c of the decay-safe score scheme (section 5.1): diagonal c x c blocks are formed
@@ -14,20 +14,26 @@ Fields (names as in ``shared/docs/ALGORITHM.md``):
   0 is the exact operator.
 - ``interpret``: run Pallas kernels in TPU interpret mode (``pltpu.InterpretParams()``) on the CPU.
   Only the Pallas backend reads it; it is an explicit testing option.
-- ``hybrid_forward``: Pallas backend only: run the jax_ref forward and the Pallas backward.
+- ``hybrid_forward``: Pallas backend only: run the pure-JAX chunked forward (jax_ref) and the
+  Pallas backward.
 """
 
 from __future__ import annotations
 
-from typing import Final, Self
+from collections.abc import Mapping
+from typing import Any, Final, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class KernelConfig(BaseModel):
-    """Frozen and hashable, so that it can be a static argument of ``jax.jit``."""
+    """Frozen and hashable, so that it can be a static argument of ``jax.jit``.
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    Strictly typed (``bt="64"`` and ``clip=True`` are refused, not converted), and
+    :meth:`model_copy` validates its updates like the constructor.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     bt: int = Field(64, ge=2, description="chunk length C")
     bc: int = Field(32, ge=1, description="score sub-chunk c; bt == 2 * bc")
@@ -35,7 +41,9 @@ class KernelConfig(BaseModel):
     clip: float = Field(60.0, gt=0.0, description="guard on positive exponents (never binds)")
     wy_eps: float = Field(0.0, ge=0.0, lt=1.0, description="WY damping; 0 is exact")
     interpret: bool = Field(False, description="Pallas: run kernels in TPU interpret mode")
-    hybrid_forward: bool = Field(False, description="Pallas: jax_ref forward, Pallas backward")
+    hybrid_forward: bool = Field(
+        False, description="Pallas: the pure-JAX chunked forward, the Pallas backward"
+    )
 
     @model_validator(mode="after")
     def _check_blocking(self) -> Self:
@@ -50,8 +58,24 @@ class KernelConfig(BaseModel):
             )
         return self
 
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy with ``update`` applied, validated like the constructor.
 
-# Presets. Forward FLOPs per token and head (ALGORITHM.md section 9, K = V = 128):
+        Args:
+            update: fields to change.
+            deep: accepted for pydantic compatibility (the fields are immutable scalars).
+
+        Returns:
+            The new config.
+
+        Raises:
+            pydantic.ValidationError: an updated field is invalid or unknown.
+        """
+        del deep
+        return type(self).model_validate({**self.model_dump(), **(update or {})})
+
+
+# Presets. Forward FLOPs per token and head (docs/algorithm.md section 9, K = V = 128):
 #   6CK + 4CV + C^2/3 + 6KV  ->  C=32: 139.6k,  C=64: 181.6k,  C=128: 267.6k,  C=256: 447.8k.
 # The seed's bt = 256 costs 2.5x the forward FLOPs of bt = 64 for no accuracy gain, so no preset
 # uses it. All presets keep wy_eps = 0 (the exact operator).

@@ -24,7 +24,12 @@ log = logging.getLogger("gdn2core.diag")
 
 
 def enabled() -> bool:
-    """Read at trace time: a jitted function keeps the setting it was traced with."""
+    """Whether ``GDN2_FWD_DIAG`` is set, read at trace time (a jitted function keeps the setting
+    it was traced with).
+
+    Returns:
+        True when diagnostics are on.
+    """
     return os.environ.get(ENV_VAR, "").strip() not in ("", "0", "false", "False")
 
 
@@ -42,7 +47,15 @@ def _report(stage: str, nonfinite: np.ndarray, large: np.ndarray, absmax: np.nda
 
 
 def probe[A: jax.Array](stage: str, x: A) -> A:
-    """Report on ``x`` under ``GDN2_FWD_DIAG=1``; always returns ``x`` unchanged."""
+    """Report on ``x`` under ``GDN2_FWD_DIAG=1``.
+
+    Args:
+        stage: the name the report carries (e.g. ``"jax_ref o"``).
+        x: the intermediate to inspect.
+
+    Returns:
+        ``x``, unchanged (the very object when diagnostics are off).
+    """
     if not enabled():
         return x
     xf = jnp.asarray(x).astype(jnp.float32)

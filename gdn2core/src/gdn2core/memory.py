@@ -2,7 +2,7 @@
 
 Notation: ``N = ceil(T / C)`` chunks of ``C = config.bt`` tokens (the sequence is padded to
 ``N * C``), ``BH = B * H``, ``s`` the input itemsize, and 4 bytes for every float32 intermediate
-(ALGORITHM.md section 5.4: decay, WY solve, state and accumulators are float32).
+(docs/algorithm.md section 5.4: decay, WY solve, state and accumulators are float32).
 
 ================  ===========================================================================
 stage             bytes
@@ -60,7 +60,15 @@ class MemoryEstimate:
 
 
 def estimate_memory(spec: OpSpec, config: KernelConfig) -> MemoryEstimate:
-    """Byte estimate of each stage of the chunked forward and backward for ``spec``."""
+    """Byte estimate of each stage of the chunked forward and backward (module docstring).
+
+    Args:
+        spec: the call.
+        config: its blocking (``bt`` is the chunk length C).
+
+    Returns:
+        The :class:`MemoryEstimate`.
+    """
     C = config.bt
     n_chunks = math.ceil(spec.seq_len / C) if spec.seq_len else 0
     bh = spec.batch * spec.heads
@@ -81,6 +89,12 @@ def estimate_memory(spec: OpSpec, config: KernelConfig) -> MemoryEstimate:
 
 def get_recommended_config(spec: OpSpec) -> KernelConfig:
     """A preset for ``spec``.
+
+    Args:
+        spec: the call.
+
+    Returns:
+        One of the presets, by these rules:
 
     - ``T <= 64``: KAGGLE_SMALL (C=32), so that a short sequence is not mostly padding.
     - ``T >= 8192`` with ``dk, dv <= 128``: KAGGLE_LARGE (C=128): half the sequential chunk steps,

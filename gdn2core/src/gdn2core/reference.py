@@ -1,6 +1,6 @@
 """The token-serial reference: the ground truth every backend is tested against.
 
-One ``lax.scan`` step per token, in the kernel form of OPERATOR.md::
+One ``lax.scan`` step per token, in the kernel form of ``docs/operator.md``::
 
     S'  = exp(g_t)[:, None] * S          # decay, key axis
     r   = S'^T (b_t * k_t)               # read at the erase-gated key        [dv]
@@ -9,7 +9,7 @@ One ``lax.scan`` step per token, in the kernel form of OPERATOR.md::
 
 The state is float32 whatever the input dtype (float64 when the inputs are float64), so a
 bfloat16 call is computed in float32 from the bfloat16 values. Differentiable by autodiff in all
-of q, k, v, w, b, g and h0.
+of q, k, v, w, b, g and h0. The contract is ``docs/operator.md``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,14 @@ from gdn2core.spec import OpSpec
 
 
 def state_dtype(dtype) -> jnp.dtype:
-    """float64 for float64 inputs, else float32: the precision of state and accumulators."""
+    """The precision of the state and of every accumulator for inputs of ``dtype``.
+
+    Args:
+        dtype: the input dtype.
+
+    Returns:
+        float64 for float64 inputs, else float32.
+    """
     return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
 
 
@@ -36,7 +43,19 @@ def gdn2_token_serial_reference(
     scale: float | None = None,
     h0: Float[Array, "B H dk dv"] | None = None,
 ) -> tuple[Float[Array, "B T H dv"], Float[Array, "B H dk dv"]]:
-    """Token-serial GDN-2. Returns ``(o, h_final)``: o in v's dtype, h_final float32 (or f64)."""
+    """Token-serial GDN-2: one ``lax.scan`` step per token (the ground truth).
+
+    Args:
+        q, k, b, g: ``(B, T, H, dk)``; v, w: ``(B, T, H, dv)``; one floating dtype.
+        scale: the query scale (None: ``dk ** -0.5``).
+        h0: the initial state ``(B, H, dk, dv)`` (None: zeros).
+
+    Returns:
+        ``(o, h_final)``: o in v's dtype, h_final float32 (float64 for float64 inputs).
+
+    Raises:
+        ValueError, TypeError: as :func:`gdn2core.gdn2_forward` for bad inputs.
+    """
     spec = OpSpec.from_inputs(q, k, v, w, b, g, scale, h0)
     acc = state_dtype(q.dtype)
     if h0 is None:

@@ -1,77 +1,100 @@
-"""Choosing the backend for a call: a name, ``backend="auto"``, or ``GDN2_BACKEND``."""
+"""Choosing the backend for a call: a name, ``backend="auto"``, or the ``GDN2_BACKEND`` variable."""
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import Final
 
 from gdn2core import registry
 from gdn2core.backend import Backend
 from gdn2core.config import KernelConfig
+from gdn2core.install import any_backend_hint
 from gdn2core.spec import OpSpec
+from gdn2core.verdict import verdict
 
 log = logging.getLogger("gdn2core")
 
-ENV_VAR = "GDN2_BACKEND"
-AUTO = "auto"
+ENV_VAR: Final = "GDN2_BACKEND"
+AUTO: Final = "auto"
 
 
-def requested_backend(backend: str | None) -> str:
-    """The name asked for: the argument, unless it is "auto" and ``GDN2_BACKEND`` is set."""
+def requested_backend(backend: str | None) -> tuple[str, str]:
+    """The name asked for and where it came from.
+
+    Args:
+        backend: the ``backend`` argument (None means ``"auto"``).
+
+    Returns:
+        ``(name, origin)``: the argument, or, when it is ``"auto"`` and ``GDN2_BACKEND`` is set,
+        that variable's value; ``origin`` is ``""`` or ``" (from GDN2_BACKEND=...)"`` for messages.
+
+    Raises:
+        TypeError: ``backend`` is not a string.
+    """
     name = AUTO if backend is None else backend
     if not isinstance(name, str):
         raise TypeError(f"backend: expected a backend name or 'auto', got {type(name).__name__}")
     if name == AUTO:
         env = os.environ.get(ENV_VAR, "").strip()
         if env:
-            return env
-    return name
+            return env, f" (from {ENV_VAR}={env})"
+    return name, ""
 
 
 def resolve_backend(
-    spec: OpSpec, config: KernelConfig, backend: str | None = AUTO, *, trainable: bool = False
+    spec: OpSpec,
+    config: KernelConfig,
+    backend: str | None = AUTO,
+    *,
+    trainable: bool = False,
+    platform: str | None = None,
 ) -> Backend:
-    """The backend that will run ``spec``.
+    """The backend that will run a call of ``spec``.
 
-    A named backend (argument or ``GDN2_BACKEND``) is strict: not installed, unavailable, or unable
-    to run this spec raises with the reason; there is no fallback. ``"auto"`` picks the
-    highest-priority backend that is auto-selectable here and supports the spec.
+    A named backend (the argument or ``GDN2_BACKEND``) is strict: not installed, or not able to run
+    this call here, raises with the reason; there is no fallback. ``"auto"`` picks the
+    highest-priority backend whose verdict (:func:`gdn2core.verdict.verdict`) is yes.
+
+    Args:
+        spec: the call's spec.
+        config: its kernel config.
+        backend: a backend name, or ``"auto"``.
+        trainable: the call needs gradients.
+        platform: where the call runs (None: not known yet, inside ``jax.jit``).
+
+    Returns:
+        The backend.
+
+    Raises:
+        BackendNotFoundError: the named backend is not installed or cannot load; or, under
+            ``"auto"``, no backend would run the call (each one's reason is listed).
+        BackendUnsupportedError: the named backend would not run this call here.
     """
-    name = requested_backend(backend)
+    name, origin = requested_backend(backend)
     if name != AUTO:
-        chosen = registry.get_backend(name)
-        avail = chosen.availability()
-        if not avail:
+        try:
+            chosen = registry.get_backend(name)
+        except registry.BackendNotFoundError as err:
+            if not origin:
+                raise
+            raise registry.BackendNotFoundError(f"{ENV_VAR}={name}: {err}") from None
+        answer = verdict(chosen, spec, config, trainable=trainable, auto=False, platform=platform)
+        if not answer:
             raise registry.BackendUnsupportedError(
-                f"gdn2 backend {name!r} is unavailable here: {avail.reason}"
+                f"gdn2 backend {name!r}{origin} cannot run this call: {answer.reason}"
             )
-        verdict = chosen.supports(spec, config)
-        if not verdict:
-            raise registry.BackendUnsupportedError(
-                f"gdn2 backend {name!r} cannot run this call: {verdict.reason}"
-            )
-        if trainable and not chosen.capabilities.trainable:
-            raise registry.BackendUnsupportedError(
-                f"gdn2 backend {name!r} is forward-only; gdn2_forward_trainable needs gradients"
-            )
-        log.debug("gdn2: using backend %r (named)", name)
+        log.debug("gdn2: using backend %r (named%s)", name, origin)
         return chosen
 
     refusals: list[str] = []
-    for candidate in registry.available_backends():
-        if trainable and not candidate.capabilities.trainable:
-            refusals.append(f"{candidate.name}: forward-only")
-            continue
-        auto_ok = candidate.auto_selectable()
-        if not auto_ok:
-            refusals.append(f"{candidate.name}: {auto_ok.reason}")
-            continue
-        verdict = candidate.supports(spec, config)
-        if verdict:
+    for candidate in registry.usable_backends():
+        answer = verdict(candidate, spec, config, trainable=trainable, auto=True, platform=platform)
+        if answer:
             log.debug("gdn2: auto-selected backend %r for %s", candidate.name, spec)
             return candidate
-        refusals.append(f"{candidate.name}: {verdict.reason}")
-    detail = "; ".join(refusals) or "no backend installed"
+        refusals.append(f"{candidate.name}: {answer.reason}")
+    detail = "; ".join(refusals) or "no backend is installed"
     raise registry.BackendNotFoundError(
-        f"no gdn2 backend can run this call ({detail}); {registry.install_hint('jax_ref')}"
+        f"no gdn2 backend can run this call ({detail}); {any_backend_hint()}"
     )

@@ -1,13 +1,14 @@
 """The typed operator spec: shapes, dtypes and scale derived from (and validated against) inputs.
 
-The contract is ``shared/docs/OPERATOR.md``: q, k, b, g are ``(B, T, H, dk)``; v, w are
-``(B, T, H, dv)``; the optional initial state h0 is float32 ``(B, H, dk, dv)``.
+The contract is ``docs/operator.md``: q, k, b, g are ``(B, T, H, dk)``; v, w are ``(B, T, H, dv)``;
+the optional initial state h0 is float32 ``(B, H, dk, dv)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 import jax.numpy as jnp
@@ -16,7 +17,6 @@ import numpy as np
 #: Input names in the public argument order, with the axis that holds their channel size.
 KEY_AXIS_INPUTS: tuple[str, ...] = ("q", "k", "b", "g")
 VALUE_AXIS_INPUTS: tuple[str, ...] = ("v", "w")
-INPUT_ORDER: tuple[str, ...] = ("q", "k", "v", "w", "b", "g")
 
 SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float64")
 
@@ -32,14 +32,15 @@ class OpSpec:
     dv: int
     dtype: str  # common floating dtype of q, k, v, w, b, g ("float32", "bfloat16", "float64")
     scale: float
-    has_h0: bool
 
     @property
     def token_heads(self) -> int:
+        """``B * T * H``."""
         return self.batch * self.seq_len * self.heads
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element of the inputs."""
         return int(np.dtype(jnp.dtype(self.dtype)).itemsize)
 
     @classmethod
@@ -56,8 +57,18 @@ class OpSpec:
     ) -> OpSpec:
         """Validate the inputs of the operator and derive the spec.
 
-        Raises ``ValueError`` for shapes and ``TypeError`` for dtypes, naming the argument and the
-        expected versus actual value.
+        Args:
+            q, k, v, w, b, g: the operator's inputs (arrays or ``ShapeDtypeStruct``).
+            scale: the query scale, a real number (None: ``dk ** -0.5``).
+            h0: the optional initial state.
+
+        Returns:
+            The spec.
+
+        Raises:
+            ValueError: a shape (or a non-finite scale), naming the argument, the expected and the
+                actual value.
+            TypeError: a dtype or a type, likewise.
         """
         arrays = {"q": q, "k": k, "v": v, "w": w, "b": b, "g": g}
         for name, x in arrays.items():
@@ -102,10 +113,9 @@ class OpSpec:
 
         if scale is None:
             scale = dk**-0.5
-        try:
-            scale = float(scale)
-        except (TypeError, ValueError) as err:
-            raise TypeError(f"scale: expected a Python float, got {type(scale).__name__}") from err
+        if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+            raise TypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
+        scale = float(scale)
         if not math.isfinite(scale):
             raise ValueError(f"scale: expected a finite float, got {scale}")
 
@@ -117,7 +127,6 @@ class OpSpec:
             dv=dv,
             dtype=dtype,
             scale=scale,
-            has_h0=h0 is not None,
         )
 
 

@@ -7,9 +7,7 @@ import jax
 from gdn2_jax_ref.forward import gdn2_chunk_forward
 from gdn2_jax_ref.params import ChunkParams
 from gdn2_jax_ref.vjp import gdn2_chunk_trainable
-from gdn2core import Backend, Capabilities
-from gdn2core.config import KernelConfig
-from gdn2core.spec import OpSpec
+from gdn2core.plugin import Backend, Capabilities, KernelConfig, OpSpec
 
 
 class JaxRefBackend(Backend):
@@ -22,6 +20,7 @@ class JaxRefBackend(Backend):
     def forward(
         self, q, k, v, w, b, g, h0, *, spec: OpSpec, config: KernelConfig
     ) -> tuple[jax.Array, jax.Array]:
+        """The chunked forward (see :class:`gdn2core.plugin.Backend`)."""
         params = ChunkParams.from_spec(spec, config)
         o, h_final, _ = gdn2_chunk_forward(q, k, v, w, b, g, h0, params)
         return o, h_final.astype(h0.dtype)
@@ -29,6 +28,7 @@ class JaxRefBackend(Backend):
     def forward_trainable(
         self, q, k, v, w, b, g, h0, *, spec: OpSpec, config: KernelConfig
     ) -> tuple[jax.Array, jax.Array]:
+        """The chunked forward with the hand-derived backward (``vjp.py``)."""
         params = ChunkParams.from_spec(spec, config)
         o, h_final = gdn2_chunk_trainable(q, k, v, w, b, g, h0, params)
         return o, h_final.astype(h0.dtype)

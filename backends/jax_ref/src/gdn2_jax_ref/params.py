@@ -12,8 +12,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from gdn2core.config import KernelConfig
-from gdn2core.spec import OpSpec
+from gdn2core.plugin import KernelConfig, OpSpec
 
 #: Every contraction runs at full precision of its operands (the WY solve and the state must be
 #: accurate; on TPU/GPU the default f32 matmul precision is lower). Free on CPU.
@@ -22,7 +21,7 @@ einsum = functools.partial(jnp.einsum, precision=lax.Precision.HIGHEST)
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ChunkParams:
-    """What the chunkwise algorithm needs besides the arrays (names as in ALGORITHM.md)."""
+    """What the chunkwise algorithm needs besides the arrays (names as in docs/algorithm.md)."""
 
     scale: float
     bt: int  # chunk length C

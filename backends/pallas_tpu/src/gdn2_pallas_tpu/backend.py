@@ -1,12 +1,12 @@
 """The pallas_tpu backend: fused Pallas TPU kernels (one forward, one backward ``pallas_call``).
 
-- ``availability()``: always yes. The kernels can always be built; whether they can *run* depends
-  on the platform the computation is compiled for (see ``vjp.py``: on a non-TPU platform without
-  ``KernelConfig(interpret=True)`` the compiled computation fails with a message naming the fix,
-  while ``jax.jit(...).lower(lowering_platforms=("tpu",))`` on a CPU host compiles the kernels).
-- ``auto_selectable()``: only on a TPU host.
-- ``supports()``: head sizes 64/128/256 (dk and dv independently), float32/bfloat16, and blockings
-  whose tiles are sublane aligned and whose VMEM byte model fits (config.py).
+- Capabilities: head sizes 64/128/256 (dk and dv independently), float32/bfloat16, trainable;
+  platform ``tpu`` (so ``backend="auto"`` picks it only on a TPU host), and ``interpret``: a named
+  call elsewhere runs with ``KernelConfig(interpret=True)`` (TPU interpret mode). The core refuses
+  an eager call off a TPU without it; a traced call cannot know its target platform yet (a CPU host
+  may lower for TPU) and is guarded when it is lowered (``vjp.py``).
+- ``supports()``: blockings whose tiles are sublane aligned and whose VMEM byte model fits
+  (config.py); ``hybrid_forward`` needs gdn2-jax-ref (the ``hybrid`` extra).
 - ``config.clip`` is not read: the kernels never form a positive exponent (chunk_math.py).
 """
 
@@ -20,12 +20,16 @@ from gdn2_pallas_tpu.config import (
     check_vmem,
     make_plan,
 )
-from gdn2core import Backend, Capabilities, Verdict
-from gdn2core.backend import YES
-from gdn2core.config import KernelConfig
-from gdn2core.diagnostics import probe
-from gdn2core.platform import is_tpu_available
-from gdn2core.spec import OpSpec
+from gdn2core.plugin import (
+    YES,
+    Backend,
+    Capabilities,
+    KernelConfig,
+    OpSpec,
+    Verdict,
+    is_tpu_available,
+    probe,
+)
 
 
 def _check_platform(q, config: KernelConfig) -> None:
@@ -49,20 +53,11 @@ class PallasTpuBackend(Backend):
         dv=SUPPORTED_HEAD_SIZES,
         trainable=True,
         platforms=("tpu",),
+        interpret=True,
     )
 
-    def availability(self) -> Verdict:
-        return YES
-
-    def auto_selectable(self) -> Verdict:
-        if is_tpu_available():
-            return YES
-        return Verdict(False, "auto picks pallas_tpu only on a TPU")
-
     def supports(self, spec: OpSpec, config: KernelConfig) -> Verdict:
-        base = super().supports(spec, config)
-        if not base:
-            return base
+        """Sublane-aligned chunks, a VMEM fit, and gdn2-jax-ref for ``hybrid_forward``."""
         if config.bt % 8 != 0:
             return Verdict(
                 False, f"bt={config.bt} must be a multiple of 8 (TPU sublane tile of a chunk)"
@@ -71,7 +66,9 @@ class PallasTpuBackend(Backend):
             try:
                 import gdn2_jax_ref  # noqa: F401
             except ImportError as err:
-                return Verdict(False, f"hybrid_forward needs gdn2-jax-ref installed ({err})")
+                return Verdict(
+                    False, f"hybrid_forward needs gdn2-jax-ref (the 'hybrid' extra): {err}"
+                )
         reason = check_vmem(spec, config)
         if reason:
             return Verdict(False, reason)
@@ -80,6 +77,7 @@ class PallasTpuBackend(Backend):
     def forward(
         self, q, k, v, w, b, g, h0, *, spec: OpSpec, config: KernelConfig
     ) -> tuple[jax.Array, jax.Array]:
+        """The inference forward kernel (see :class:`gdn2core.plugin.Backend`)."""
         if config.hybrid_forward:  # no kernel runs in the inference forward of this mode
             from gdn2_pallas_tpu.hybrid import jax_ref_forward
 
@@ -93,6 +91,7 @@ class PallasTpuBackend(Backend):
     def forward_trainable(
         self, q, k, v, w, b, g, h0, *, spec: OpSpec, config: KernelConfig
     ) -> tuple[jax.Array, jax.Array]:
+        """Forward and backward kernels under one ``jax.custom_vjp``."""
         _check_platform(q, config)
         plan = make_plan(spec, config)
         if config.hybrid_forward:

@@ -2,24 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
-import jax
-
 from gdn2_scan_baseline.scan import PEAK_BUFFERS_TRAIN, gdn2_associative_scan
-from gdn2core import Backend, Capabilities, Verdict
+from gdn2core.plugin import YES, Backend, Capabilities, Verdict, device_memory_bytes
 
 #: Share of the device's memory the scan may plan to use.
 MEMORY_FRACTION = 0.5
-
-
-def device_memory_bytes() -> int:
-    """Memory of the default device: its allocator limit, else (CPU) the host's physical RAM."""
-    stats = jax.devices()[0].memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    if limit:
-        return int(limit)
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def estimated_bytes(spec) -> int:
@@ -31,15 +18,10 @@ def estimated_bytes(spec) -> int:
 class ScanBaselineBackend(Backend):
     name = "scan_baseline"
     priority = 10
-    capabilities = Capabilities()
-
-    def auto_selectable(self) -> Verdict:
-        return Verdict(False, "baseline: only used when named")
+    capabilities = Capabilities(auto=False)  # a baseline: only used when named
 
     def supports(self, spec, config) -> Verdict:
-        base = super().supports(spec, config)
-        if not base:
-            return base
+        """Refuses shapes whose scan would not fit in memory (the reason gives the bytes)."""
         need, have = estimated_bytes(spec), int(MEMORY_FRACTION * device_memory_bytes())
         if need > have:
             return Verdict(
@@ -48,7 +30,8 @@ class ScanBaselineBackend(Backend):
                 f"({PEAK_BUFFERS_TRAIN} x B*H*T*dk*(dk+dv) float32) but only "
                 f"{have / 2**30:.1f} GiB ({MEMORY_FRACTION:.0%} of device memory) is allowed",
             )
-        return base
+        return YES
 
     def forward(self, q, k, v, w, b, g, h0, *, spec, config):
+        """The associative scan (autodiff gradients)."""
         return gdn2_associative_scan(q, k, v, w, b, g, h0, spec.scale)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from gdn2core.reference import state_dtype
+from gdn2core.plugin import state_dtype
 
 # Peak temporary bytes of the jitted value_and_grad in units of one [B, H, T, dk, dk + dv] float32
 # buffer: the per-token maps, the scan's sweep partials, the prefix states and their cotangents.

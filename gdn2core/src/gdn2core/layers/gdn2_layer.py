@@ -11,7 +11,7 @@ Per token ``x_t`` (``d_model``) and head ``h`` (``H`` heads, key size ``dk``, va
     o, S_T  = gdn2_forward_trainable(q, k, v, w, b, g, scale, h0, config, backend)
     y       = W_o  GatedRMSNorm(o, SiLU(W_gate x))
 
-The operator contract is ``shared/docs/OPERATOR.md``; the parameterisation of the decay follows
+The operator contract is ``docs/operator.md``; the parameterisation of the decay follows
 fla's KDA/GDN-2 layers (``A_log`` per head initialised from U(1, 16), ``dt_bias`` per key channel
 initialised as the inverse softplus of a log-uniform step in ``[dt_min, dt_max]``).
 """
@@ -26,6 +26,8 @@ from flax import nnx
 
 from gdn2core.api import gdn2_forward_trainable
 from gdn2core.config import KernelConfig
+from gdn2core.registry import get_backend
+from gdn2core.selection import AUTO
 
 
 def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -90,6 +92,12 @@ class GDN2Layer(nnx.Module):
             ``NamedSharding``, each device runs the operator on its shard; ``context_axis``
             splits the sequence too (T must divide by its size). None (the default): the mesh is
             found from the inputs' sharding, and a single device runs the plain path.
+
+    Raises:
+        ValueError: ``expand_v * head_dim`` is not a positive integer.
+        TypeError: ``config`` is not a KernelConfig (or None), ``backend`` not a string.
+        BackendNotFoundError: ``backend`` names a backend that is not installed (checked here,
+            not at the first call).
     """
 
     def __init__(
@@ -117,6 +125,14 @@ class GDN2Layer(nnx.Module):
         dv = int(expand_v * head_dim)
         if dv < 1 or dv != expand_v * head_dim:
             raise ValueError(f"expand_v * head_dim must be a positive integer, got {dv}")
+        if config is not None and not isinstance(config, KernelConfig):
+            raise TypeError(f"config: expected a KernelConfig or None, got {type(config).__name__}")
+        if not isinstance(backend, str):
+            raise TypeError(
+                f"backend: expected a backend name or 'auto', got {type(backend).__name__}"
+            )
+        if backend != AUTO:
+            get_backend(backend)  # a misspelt name fails here, with the installed names
         H, dk = num_heads, head_dim
         self.d_model, self.num_heads, self.dk, self.dv = d_model, H, dk, dv
         self.lift_b, self.backend, self.config = lift_b, backend, config
@@ -158,7 +174,14 @@ class GDN2Layer(nnx.Module):
         self.o_norm = GatedRMSNorm(dv, eps=norm_eps)
 
     def gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``(w, b, g)`` for input ``x`` ``(B, T, d_model)``, shaped ``(B, T, H, d)``."""
+        """The gates of the operator.
+
+        Args:
+            x: the layer input ``(B, T, d_model)``.
+
+        Returns:
+            ``(w, b, g)`` shaped ``(B, T, H, dv)``, ``(B, T, H, dk)``, ``(B, T, H, dk)``.
+        """
         B, T, _ = x.shape
         H = self.num_heads
         w = jax.nn.sigmoid(self.w_proj(x)).reshape(B, T, H, self.dv)
@@ -172,6 +195,16 @@ class GDN2Layer(nnx.Module):
     def __call__(
         self, x: jax.Array, *, h0: jax.Array | None = None, return_state: bool = False
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """Mix the tokens of ``x``.
+
+        Args:
+            x: ``(B, T, d_model)``.
+            h0: the operator's initial state ``(B, H, dk, dv)`` (float32), or None for zeros.
+            return_state: also return the final state.
+
+        Returns:
+            ``y`` ``(B, T, d_model)``, or ``(y, h_final)`` with ``return_state``.
+        """
         B, T, _ = x.shape
         H, dk, dv = self.num_heads, self.dk, self.dv
         x = x.astype(self.dtype)

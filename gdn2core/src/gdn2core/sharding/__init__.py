@@ -14,12 +14,12 @@ The public ops (``gdn2_forward``, ``gdn2_forward_trainable``) take keyword-only 
 
 The roles of the mesh axes: the keywords when given; otherwise q's ``PartitionSpec`` (dim 0 ->
 batch, dim 2 -> heads), which JAX shows for a concrete array and, under jit, for axes of type
-``Explicit`` (the default of ``jax.make_mesh`` in JAX 0.12). Axes whose role is not visible (an
-``Auto`` mesh under jit, or ``mesh=`` without axes) are assigned batch first, then heads, while the
-sizes divide; pass ``batch_axes``/``head_axes`` to match your layout exactly (a mismatch is still
-correct, XLA then reshards the inputs). A sharded time axis without ``context_axis`` is refused,
-so is a sharded channel axis. A mesh of one device, or a plan that splits nothing, runs the plain
-path; so does a call inside the caller's own ``shard_map`` (its manual axes are never re-split).
+``Explicit`` (the default of ``jax.make_mesh``). Axes whose role is not visible (an ``Auto`` mesh
+under jit, or ``mesh=`` without axes) are assigned batch first, then heads, while the sizes divide;
+pass ``batch_axes``/``head_axes`` to match your layout exactly (a mismatch is still correct, XLA
+then reshards the inputs). A sharded time axis without ``context_axis`` is refused, so is a sharded
+channel axis. A mesh of one device, or a plan that splits nothing, runs the plain path; so does a
+call inside the caller's own ``shard_map`` (its manual axes are never re-split).
 
 What runs (:func:`gdn2core.sharding.run.sharded_call`)
 ------------------------------------------------------
@@ -27,33 +27,14 @@ The selected backend's ``forward`` / ``forward_trainable`` inside ``jax.shard_ma
 device, on its ``(B/nb, T/P, H/nh)`` shard, for every backend alike (a Pallas kernel cannot be
 partitioned by XLA). Only the mesh axes the plan uses become manual; any other mesh axis stays
 automatic (inputs replicated over it are neither gathered nor their gradients all-reduced).
-Batch/head sharding has no collective at all, forward or backward; context
-parallelism (``context_axis=``, ``T % P == 0`` required, else ``ValueError``) all-gathers
-per-shard state summaries only, see :mod:`gdn2core.sharding.run`. Backends may set a class
-attribute ``shard_map_check_vma = True`` to have their per-shard call type-checked by shard_map
-(off by default: backends need not type their scan carries for shard_map).
-
-``gdn2 mesh-report`` (:mod:`gdn2core.sharding.report`) compiles the sharded train step deviceless
-for a TPU topology and prints per-chip HBM. Helpers for benchmarks and reports: :func:`collective_summary` (collectives of compiled HLO),
-:func:`train_step` (value_and_grad of the op as a function of sharded inputs) and
-:func:`input_specs` (``ShapeDtypeStruct`` with shardings, for deviceless compiles).
+Batch/head sharding has no collective at all, forward or backward; context parallelism
+(``context_axis=``, ``T % P == 0`` required, else ``ValueError``) all-gathers per-shard state
+summaries only, see :mod:`gdn2core.sharding.run`. Backends may set a class attribute
+``shard_map_check_vma = True`` to have their per-shard call type-checked by shard_map (off by
+default: backends need not type their scan carries for shard_map).
 """
 
-from gdn2core.sharding.hlo import collective_summary
 from gdn2core.sharding.plan import ShardPlan, resolve_plan
-from gdn2core.sharding.reference_backend import TokenSerialBackend, register_reference_backend
 from gdn2core.sharding.run import combine_summaries, shard_summaries, sharded_call
-from gdn2core.sharding.step import input_specs, train_step
 
-__all__ = [
-    "ShardPlan",
-    "TokenSerialBackend",
-    "collective_summary",
-    "combine_summaries",
-    "input_specs",
-    "register_reference_backend",
-    "resolve_plan",
-    "shard_summaries",
-    "sharded_call",
-    "train_step",
-]
+__all__ = ["ShardPlan", "combine_summaries", "resolve_plan", "shard_summaries", "sharded_call"]

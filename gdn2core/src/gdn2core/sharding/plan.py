@@ -88,7 +88,6 @@ class ShardPlan:
             batch=spec.batch // self.batch_shards,
             heads=spec.heads // self.head_shards,
             seq_len=spec.seq_len // self.context_shards,
-            has_h0=True,
         )
 
     def describe(self) -> str:

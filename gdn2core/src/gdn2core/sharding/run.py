@@ -43,13 +43,20 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from gdn2core.config import KernelConfig
-from gdn2core.sharding.compat import shard_map
 from gdn2core.sharding.plan import ShardPlan
 from gdn2core.spec import OpSpec
 
 BackendFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 _HI = lax.Precision.HIGHEST
+
+
+def shard_map(f, *, mesh, in_specs, out_specs, check_vma: bool, axis_names: frozenset[str]):
+    """``jax.shard_map`` making only ``axis_names`` manual (the other mesh axes stay automatic)."""
+    kw = {} if axis_names == frozenset(mesh.axis_names) else {"axis_names": axis_names}
+    return jax.shard_map(
+        f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma, **kw
+    )
 
 
 def sharded_call(

@@ -1,0 +1,119 @@
+"""gdn2core's own ``gdn2`` subcommands: ``info`` and ``conformance`` (registered through the same
+``gdn2_commands`` hook as every plugin's)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from gdn2core.hooks import Command, hookimpl
+from gdn2core.install import pip_command
+
+
+@hookimpl
+def gdn2_commands() -> list[Command]:
+    """gdn2core's subcommands.
+
+    Returns:
+        ``info`` and ``conformance``.
+    """
+    return [
+        Command(
+            "info", "the backends here and what a call to each would do", f"{__name__}:info_main"
+        ),
+        Command(
+            "conformance",
+            "run the conformance suite against installed backends (pass/fail per capability)",
+            f"{__name__}:conformance_main",
+        ),
+    ]
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    line = "  ".join(f"{{:<{w}}}" for w in widths)
+    out = [line.format(*header), line.format(*("-" * w for w in widths))]
+    return out + [line.format(*r).rstrip() for r in rows]
+
+
+def info_main(argv: Sequence[str]) -> int:
+    """``gdn2 info``: every backend, its state, and what a call to it would do here.
+
+    Args:
+        argv: the arguments after ``gdn2 info`` (none are accepted).
+
+    Returns:
+        0.
+    """
+    argparse.ArgumentParser(
+        prog="gdn2 info", description="The gdn2 backends here and what a call would do."
+    ).parse_args(list(argv))
+    import jax
+
+    from gdn2core.platform import default_platform
+    from gdn2core.registry import list_backends
+    from gdn2core.selection import ENV_VAR
+
+    platform = default_platform()
+    rows = []
+    for info in list_backends():
+        named = "yes" if info.available else f"no: {info.reason}"
+        auto = "yes" if info.auto else f"no: {info.auto_reason}"
+        prio = "-" if info.priority is None else str(info.priority)
+        caps = info.capabilities.describe() if info.capabilities else "-"
+        rows.append((info.name, info.version, prio, named, auto, caps))
+    header = ("backend", "version", "priority", "named call here", "backend='auto'", "capabilities")
+    print("\n".join(_table(header, rows)) if rows else "(no backend installed)")
+    print(
+        f"\nhere: jax {jax.__version__}, platform {platform}, {jax.device_count()} device(s). "
+        "'named call here': a call with backend=NAME on this platform and the default config."
+    )
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env:
+        known = {i.name: i for i in list_backends() if not i.broken}
+        state = "" if env in known else " (NOT INSTALLED: such calls fail)"
+        print(f"{ENV_VAR}={env}: calls with backend='auto' run {env!r}{state}.")
+    else:
+        print(
+            f"{ENV_VAR} is not set: backend='auto' picks the highest-priority backend that would run the call."
+        )
+    return 0
+
+
+def conformance_main(argv: Sequence[str]) -> int:
+    """``gdn2 conformance NAME [NAME...] [-- PYTEST ARGS]``: the suite against installed backends.
+
+    Args:
+        argv: backend names, optionally followed by ``--`` and extra pytest arguments.
+
+    Returns:
+        pytest's exit code (0: every claimed capability passed), or 2 when pytest is missing.
+        pytest runs in a child process (so that it can rewrite the suite's asserts).
+    """
+    argv = list(argv)
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    names = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(
+        prog="gdn2 conformance",
+        description="Run gdn2's conformance suite against installed backends; the report ends "
+        "with pass/fail per capability. Extra pytest arguments follow `--`.",
+    )
+    parser.add_argument("backends", nargs="+", metavar="NAME", help="installed backend names")
+    args = parser.parse_args(names)
+    if importlib.util.find_spec("pytest") is None:
+        print(
+            "gdn2 conformance needs pytest, which is not installed: pip install pytest (or "
+            f"{pip_command('gdn2core', 'gdn2core', 'testing')})",
+            file=sys.stderr,
+        )
+        return 2
+    # A fresh interpreter: pytest rewrites the asserts of plugin packages it imports itself.
+    options = ["-p", "gdn2", "-p", "no:cacheprovider", "-c", os.devnull, "-q"]
+    for name in args.backends:
+        options += ["--gdn2-backend", name]
+    cmd = [sys.executable, "-m", "pytest", *options, *extra]
+    return subprocess.run(cmd, check=False).returncode

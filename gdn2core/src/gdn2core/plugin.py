@@ -1,0 +1,44 @@
+"""Everything a backend author imports, and nothing else: the whole contract of a gdn2 backend.
+
+A backend distribution:
+
+1. subclasses :class:`Backend` (``name``, ``priority``, ``capabilities``, ``forward`` and, for a
+   custom VJP, ``forward_trainable``; optionally ``availability`` and ``supports``);
+2. exposes a module implementing the ``gdn2_backend`` hook (decorated with :data:`hookimpl`) under
+   the entry-point group ``gdn2.backends``, named after the backend;
+3. may implement ``gdn2_commands`` (its own ``gdn2`` subcommands) and ``gdn2_kernel_costs``
+   (its kernels as report rows) in the same module;
+4. runs the conformance kit: ``gdn2 conformance NAME`` (``docs/backends.md``).
+
+Helpers for the array methods: :func:`state_dtype` (the accumulation dtype), :func:`probe` (the
+``GDN2_FWD_DIAG`` diagnostics), :func:`default_platform`, :func:`is_tpu_available`, :func:`device_memory_bytes`, and the
+token-serial reference :func:`gdn2_token_serial_reference`.
+"""
+
+from gdn2core.backend import YES, Backend, Capabilities, Verdict
+from gdn2core.config import KernelConfig
+from gdn2core.diagnostics import probe
+from gdn2core.hooks import BACKENDS_GROUP, TOOLS_GROUP, Command, KernelCost, hookimpl
+from gdn2core.platform import default_platform, device_memory_bytes, is_tpu_available
+from gdn2core.reference import gdn2_token_serial_reference, state_dtype
+from gdn2core.spec import OpSpec
+
+__all__ = [
+    "BACKENDS_GROUP",
+    "TOOLS_GROUP",
+    "YES",
+    "Backend",
+    "Capabilities",
+    "Command",
+    "KernelConfig",
+    "KernelCost",
+    "OpSpec",
+    "Verdict",
+    "default_platform",
+    "device_memory_bytes",
+    "gdn2_token_serial_reference",
+    "hookimpl",
+    "is_tpu_available",
+    "probe",
+    "state_dtype",
+]

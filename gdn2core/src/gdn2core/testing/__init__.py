@@ -1,0 +1,64 @@
+"""The gdn2 conformance kit: the suite, its input generator, error metric, tolerance table and
+token-serial checks, and a pytest plugin (``gdn2 conformance NAME``, ``pytest --gdn2-backend
+NAME``). Tests, the benchmark gate and third-party backends all use these same pieces.
+
+Importing :mod:`gdn2core` never imports this package.
+"""
+
+from gdn2core.testing.backends import ReferenceBackend
+from gdn2core.testing.checks import (
+    cotangent_loss,
+    outputs_and_grads,
+    reference,
+    reference_outputs_and_grads,
+)
+from gdn2core.testing.inputs import (
+    ARG_NAMES,
+    GRAD_NAMES,
+    INPUT_NAMES,
+    Case,
+    Decay,
+    Inputs,
+    make_arrays,
+    make_inputs,
+)
+from gdn2core.testing.metrics import TOLERANCES, Quantity, quantity, rel_err, tolerance
+from gdn2core.testing.suite import (
+    CASES,
+    SMALL_CONFIG,
+    CaseSpec,
+    ConformanceSuite,
+    Feature,
+    Target,
+    assert_close,
+    capability,
+)
+
+__all__ = [
+    "ARG_NAMES",
+    "CASES",
+    "GRAD_NAMES",
+    "INPUT_NAMES",
+    "SMALL_CONFIG",
+    "TOLERANCES",
+    "Case",
+    "CaseSpec",
+    "ConformanceSuite",
+    "Decay",
+    "Feature",
+    "Inputs",
+    "Quantity",
+    "ReferenceBackend",
+    "Target",
+    "assert_close",
+    "capability",
+    "cotangent_loss",
+    "make_arrays",
+    "make_inputs",
+    "outputs_and_grads",
+    "quantity",
+    "reference",
+    "reference_outputs_and_grads",
+    "rel_err",
+    "tolerance",
+]

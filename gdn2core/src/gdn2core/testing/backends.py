@@ -1,0 +1,43 @@
+"""The token-serial reference behind the :class:`~gdn2core.plugin.Backend` interface.
+
+For tests, for the multi-device checks and for reports that need a backend that is right by
+construction (autodiff gradients, any shape, slow). Named only: ``backend="auto"`` never picks it.
+"""
+
+from __future__ import annotations
+
+from gdn2core.backend import Backend, Capabilities
+from gdn2core.reference import gdn2_token_serial_reference
+
+
+class ReferenceBackend(Backend):
+    """``gdn2_token_serial_reference`` as a backend.
+
+    Args:
+        name: the name to register it under (default ``"token_serial"``).
+        priority: its priority.
+        capabilities: what it claims (default: everything, named only).
+    """
+
+    name = "token_serial"
+    priority = 0
+    capabilities = Capabilities(auto=False)
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        priority: int | None = None,
+        capabilities: Capabilities | None = None,
+    ):
+        if name is not None:
+            self.name = name
+        if priority is not None:
+            self.priority = priority
+        if capabilities is not None:
+            self.capabilities = capabilities
+
+    def forward(self, q, k, v, w, b, g, h0, *, spec, config):
+        """The reference's ``(o, h_final)`` (see :class:`~gdn2core.plugin.Backend`)."""
+        del config
+        return gdn2_token_serial_reference(q, k, v, w, b, g, spec.scale, h0)

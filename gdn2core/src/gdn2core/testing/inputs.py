@@ -1,0 +1,193 @@
+"""The one input generator of gdn2: tests, the conformance kit and the benchmarks draw from it.
+
+A :class:`Case` names a shape and the knobs the suite sweeps; :func:`make_arrays` draws float64
+NumPy arrays for it (deterministic in ``case.seed``), and :func:`make_inputs` hands them over as
+JAX arrays in the dtype under test. Distributions (per element unless said otherwise):
+
+- q, k: N(0, 1), L2-normalised per head (as models feed the operator); v ~ N(0, 1).
+- w = sigmoid(N(0, 1)); b = b_max * sigmoid(N(0, 1)) (``b_max = 2`` allows negative eigenvalues).
+- g by :class:`Decay`: weak ``-1e-3 * sigmoid(N)``; mixed ``-softplus(N - 1)`` (about -0.3);
+  strong: mixed, with a share ``strong_share`` (default 10%) of the tokens at ``g = -30`` on every
+  channel; model: what a GDN-2
+  layer produces, ``-A * softplus(N + dt_bias)`` with ``A ~ U(1, 16)`` per head and ``dt_bias``
+  the inverse softplus of a log-uniform step in ``[1e-3, 1e-1]`` per channel (g in about [-10, 0)).
+- h0 ~ 0.5 N(0, 1) (or absent); cotangents ``do ~ N(0, 1)`` (o's) and ``dh ~ N(0, 1)``
+  (h_final's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+#: The operator's six token inputs, in argument order, and the seven differentiable arguments.
+INPUT_NAMES = ("q", "k", "v", "w", "b", "g")
+ARG_NAMES = (*INPUT_NAMES, "h0")
+#: Names of the seven gradients, as reports label them.
+GRAD_NAMES = tuple(f"d{n}" for n in ARG_NAMES)
+
+
+class Decay(enum.StrEnum):
+    """How strongly the state decays per token (see the module docstring)."""
+
+    WEAK = "weak"
+    MIXED = "mixed"
+    STRONG = "strong"
+    MODEL = "model"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One input configuration: a shape and the distribution knobs."""
+
+    B: int = 1
+    T: int = 24
+    H: int = 2
+    dk: int = 8
+    dv: int = 8
+    h0: bool = True
+    b_max: float = 1.0
+    decay: Decay = Decay.MIXED
+    seed: int = 0
+    strong_share: float = 0.1
+
+    @property
+    def id(self) -> str:
+        """A test id naming every field."""
+        h0 = "h0" if self.h0 else "noh0"
+        decay = f"{self.decay}"
+        if self.decay == Decay.STRONG and self.strong_share != 0.1:
+            decay += f"{self.strong_share:g}"
+        return (
+            f"B{self.B}T{self.T}H{self.H}k{self.dk}v{self.dv}-{h0}-b{self.b_max:g}-{decay}"
+            f"-s{self.seed}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """The operator's inputs and the cotangents of its two outputs for one case."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    w: jax.Array
+    b: jax.Array
+    g: jax.Array
+    h0: jax.Array | None
+    do: jax.Array  # cotangent of o
+    dh: jax.Array  # cotangent of h_final
+
+    @property
+    def args(self) -> tuple[jax.Array, ...]:
+        """``(q, k, v, w, b, g)``."""
+        return (self.q, self.k, self.v, self.w, self.b, self.g)
+
+    @property
+    def h0_or_zeros(self) -> jax.Array:
+        """h0, or zeros of its shape and dtype when the case has none."""
+        return jnp.zeros(self.dh.shape, self.dh.dtype) if self.h0 is None else self.h0
+
+    def astype(self, dtype) -> Inputs:
+        """q..g in ``dtype``; h0 and the cotangents keep their (state) dtype.
+
+        Args:
+            dtype: the new input dtype.
+
+        Returns:
+            The cast inputs.
+        """
+        cast = {n: getattr(self, n).astype(dtype) for n in INPUT_NAMES}
+        return dataclasses.replace(self, **cast)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def _softplus(x: np.ndarray) -> np.ndarray:
+    return np.logaddexp(0.0, x)
+
+
+def _l2(x: np.ndarray) -> np.ndarray:
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def _decay(case: Case, rng: np.random.Generator, normal) -> np.ndarray:
+    B, T, H, dk = case.B, case.T, case.H, case.dk
+    match case.decay:
+        case Decay.WEAK:
+            return -1e-3 * _sigmoid(normal(B, T, H, dk))
+        case Decay.MIXED | Decay.STRONG:
+            g = -_softplus(normal(B, T, H, dk) - 1.0)
+            if case.decay == Decay.STRONG:
+                g = np.where(rng.random((B, T, H, 1)) < case.strong_share, -30.0, g)
+            return g
+        case Decay.MODEL:
+            A = rng.uniform(1.0, 16.0, size=(H, 1))
+            dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), size=(H, dk)))
+            dt_bias = dt + np.log(-np.expm1(-dt))
+            return -A * _softplus(normal(B, T, H, dk) + dt_bias)
+    raise ValueError(f"decay: expected one of {[d.value for d in Decay]}, got {case.decay!r}")
+
+
+def make_arrays(case: Case) -> dict[str, np.ndarray]:
+    """Float64 NumPy arrays for ``case`` (no JAX needed: a peer can rebuild the same inputs).
+
+    Args:
+        case: the shape, knobs and seed.
+
+    Returns:
+        ``{"q", "k", "v", "w", "b", "g", "h0", "do", "dh"}`` in the public layout; ``"h0"`` is
+        absent when ``case.h0`` is false.
+    """
+    rng = np.random.default_rng(case.seed)
+    B, T, H, dk, dv = case.B, case.T, case.H, case.dk, case.dv
+
+    def normal(*shape):
+        return rng.standard_normal(shape)
+
+    out = {
+        "q": _l2(normal(B, T, H, dk)),
+        "k": _l2(normal(B, T, H, dk)),
+        "v": normal(B, T, H, dv),
+        "w": _sigmoid(normal(B, T, H, dv)),
+        "b": case.b_max * _sigmoid(normal(B, T, H, dk)),
+    }
+    out["g"] = _decay(case, rng, normal)
+    h0 = 0.5 * normal(B, H, dk, dv)
+    if case.h0:
+        out["h0"] = h0
+    out["do"] = normal(B, T, H, dv)
+    out["dh"] = normal(B, H, dk, dv)
+    return out
+
+
+def make_inputs(case: Case, dtype=jnp.float32) -> Inputs:
+    """JAX inputs for ``case``: q..g in ``dtype``; h0 and the cotangents in the state dtype
+    (float64 for float64 inputs, else float32).
+
+    Args:
+        case: the shape, knobs and seed.
+        dtype: the input dtype.
+
+    Returns:
+        The :class:`Inputs`.
+    """
+    arrays = make_arrays(case)
+    acc = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+    def arr(name, dt):
+        x = arrays.get(name)
+        return None if x is None else jnp.asarray(x.astype(np.dtype(acc)), dtype=dt)
+
+    return Inputs(
+        *(arr(n, dtype) for n in INPUT_NAMES),
+        h0=arr("h0", acc),
+        do=arr("do", acc),
+        dh=arr("dh", acc),
+    )

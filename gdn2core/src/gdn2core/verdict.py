@@ -1,0 +1,95 @@
+"""The one answer to "would this backend run this call here?", used by every call, by
+``backend="auto"``, by ``gdn2 info`` and by the tools.
+
+The checks, in order, each with its own reason: the backend's :meth:`~Backend.availability`;
+trainability; whether ``auto`` may pick it (:attr:`Capabilities.auto`); the platform
+(:attr:`Capabilities.platforms`, enforced for ``auto``; a named call elsewhere needs
+:attr:`Capabilities.interpret` and ``KernelConfig(interpret=True)``); the spec against the
+capabilities; and the backend's own :meth:`~Backend.supports`. A backend method that raises refuses
+only that call, and the exception is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from gdn2core.backend import YES, Backend, Verdict
+from gdn2core.config import DEFAULT_CONFIG, KernelConfig
+from gdn2core.platform import default_platform
+from gdn2core.spec import OpSpec
+
+log = logging.getLogger("gdn2core")
+
+
+def verdict(
+    backend: Backend,
+    spec: OpSpec | None,
+    config: KernelConfig | None,
+    *,
+    trainable: bool,
+    auto: bool,
+    platform: str | None,
+) -> Verdict:
+    """Whether ``backend`` would run a call here.
+
+    Args:
+        backend: the candidate.
+        spec: the call's spec; None judges everything but the spec (``gdn2 info``).
+        config: the call's kernel config; None for the default.
+        trainable: the call needs gradients (``gdn2_forward_trainable``).
+        auto: the backend would be picked by ``backend="auto"`` rather than named.
+        platform: where the call runs (:func:`gdn2core.platform.call_platform`); None when not
+            known yet (inside ``jax.jit``): ``auto`` then judges by the default platform and a
+            named call is left to the backend's lowering.
+
+    Returns:
+        :data:`YES`, or a :class:`Verdict` with the first reason it would not run.
+    """
+    config = DEFAULT_CONFIG if config is None else config
+    avail = _ask(backend, "availability")
+    if not avail:
+        return avail
+    caps = backend.capabilities
+    if trainable and not caps.trainable:
+        return Verdict(False, "forward-only (gdn2_forward_trainable needs gradients)")
+    if auto and not caps.auto:
+        return Verdict(False, "used only when named (a baseline or reference)")
+    where = platform if platform is not None or not auto else default_platform()
+    if where is not None and where not in caps.platforms:
+        runs_on = "/".join(caps.platforms)
+        if auto:
+            return Verdict(False, f"runs on {runs_on}, this call on {where}")
+        if not (caps.interpret and config.interpret):
+            hint = (
+                "; KernelConfig(interpret=True) runs its kernels in interpret mode (slow)"
+                if caps.interpret
+                else ""
+            )
+            return Verdict(False, f"runs on {runs_on}, this call on {where}{hint}")
+    if spec is not None:
+        admitted = caps.admits(spec)
+        if not admitted:
+            return admitted
+        return _ask(backend, "supports", spec, config)
+    return YES
+
+
+def _ask(backend: Backend, method: str, *args) -> Verdict:
+    """``backend.method(*args)`` as a Verdict; an exception or a non-Verdict answer refuses."""
+    try:
+        answer = getattr(backend, method)(*args)
+    except Exception as err:
+        log.warning(
+            "gdn2 backend %r: %s() raised %s: %s", backend.name, method, type(err).__name__, err
+        )
+        return Verdict(False, f"{method}() raised {type(err).__name__}: {_first_line(err)}")
+    if isinstance(answer, Verdict):
+        return answer
+    if isinstance(answer, bool):
+        return Verdict(answer, "" if answer else f"{method}() said no")
+    return Verdict(False, f"{method}() returned {type(answer).__name__}, not a Verdict")
+
+
+def _first_line(err: BaseException, limit: int = 200) -> str:
+    text = (str(err).strip().splitlines() or [""])[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."

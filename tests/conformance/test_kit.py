@@ -1,0 +1,84 @@
+"""The conformance kit itself: it fails a subtly wrong backend naming the capability, it derives a
+target from an installed backend's capabilities, and its metric and tolerances behave."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gdn2core.testing import (
+    Case,
+    Feature,
+    Quantity,
+    Target,
+    assert_close,
+    make_inputs,
+    rel_err,
+    tolerance,
+)
+from tests.support.plugins import installed_plugins, subprocess_env
+
+
+def test_wrong_backend_fails_naming_the_capability(tmp_path):
+    """``gdn2 conformance`` on a backend whose dg is half the true one: forward passes (its
+    outputs are exact), trainable fails with dg named, and the exit code says so."""
+    env = subprocess_env(tmp_path, "gdn2-wrong-backend")
+    proc = subprocess.run(
+        [sys.executable, "-m", "gdn2core.cli", "conformance", "wrong_grad"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600, check=False,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    summary = [ln for ln in out.splitlines() if ln.startswith("wrong_grad: ")]
+    assert summary, out
+    assert "forward PASS" in summary[0] and "trainable FAIL" in summary[0], summary
+    assert "not claimed: bfloat16, float64" in summary[0], summary
+    assert "dg: relative error" in out and "> tolerance 3e-04" in out, out
+
+
+def test_target_is_derived_from_declared_capabilities(tmp_path):
+    pallas = Target.for_backend("pallas_tpu")  # on this CPU host: interpret mode, no vmap
+    assert pallas.config.interpret and pallas.head_sizes == ((64, 64), (64, 128), (128, 64))
+    assert pallas.features == {Feature.FORWARD, Feature.TRAINABLE, Feature.BFLOAT16}
+    jax_ref = Target.for_backend("jax_ref")
+    assert jax_ref.features == set(Feature) and not jax_ref.config.interpret
+    with installed_plugins(tmp_path, "gdn2-toy-backend"):
+        toy = Target.for_backend("toy_serial")
+    assert toy.head_sizes == ((4, 4), (4, 8), (8, 4))
+    assert toy.features == {Feature.FORWARD, Feature.TRAINABLE, Feature.VMAP}
+
+
+def test_assert_close_names_array_error_and_tolerance():
+    ref = np.linspace(1.0, 2.0, 10)
+    assert_close("o", ref * (1 + 1e-6), ref, "float32")
+    with pytest.raises(AssertionError, match=r"dg: relative error 1\.00e-02 > tolerance 3e-04"):
+        assert_close("dg", ref + 0.02, ref, "float32")
+
+
+def test_metric_and_tolerances():
+    ref = np.linspace(-1.0, 2.0, 100)
+    assert rel_err(ref, ref) == 0.0
+    assert rel_err(ref + 0.02, ref) == pytest.approx(0.01)
+    assert rel_err(np.full(100, np.nan), ref) == float("inf")
+    with pytest.raises(ValueError, match="shape mismatch"):
+        rel_err(ref[:5], ref)
+    assert tolerance("float32", "o (fwd)") == tolerance("float32", Quantity.OUT) == 1e-4
+    assert tolerance("float32", "dg") == 3e-4
+    assert tolerance("float32", "dg", "tpu") == pytest.approx(3e-3)  # default-precision matmuls
+    assert tolerance("bfloat16", "h_final", "tpu") == 3e-2
+
+
+def test_one_generator_is_deterministic_and_honours_its_knobs():
+    a, b = make_inputs(Case(seed=3)), make_inputs(Case(seed=3))
+    assert all(np.array_equal(x, y) for x, y in zip(a.args, b.args, strict=True))
+    strong = make_inputs(Case(T=200, decay="strong", seed=1))
+    assert float(strong.g.min()) == -30.0
+    weak = make_inputs(Case(decay="weak"))
+    assert -1e-3 <= float(weak.g.min()) and float(weak.g.max()) <= 0
+    model = make_inputs(Case(T=64, decay="model"))
+    assert -20.0 < float(model.g.min()) and float(model.g.max()) < 0
+    assert make_inputs(Case(h0=False)).h0 is None
+    assert float(make_inputs(Case(b_max=2.0, T=200)).b.max()) > 1.0

@@ -1,0 +1,141 @@
+"""``gdn2 tpu-report``: per-kernel VMEM, FLOPs, HBM bytes and roofline of a backend for a TPU
+target, and the compiled HBM of its forward and train step.
+
+Everything is compile-time analysis (no TPU run). The per-kernel rows come from the backend's own
+``gdn2_kernel_costs`` hook (a backend without one reports only the compiled HBM); the roofline
+divides them by the generation's peak numbers; the compiled HBM is ``memory_analysis()`` of a
+deviceless compile (libtpu). The default backend is the one ``backend="auto"`` picks for a TPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Final
+
+from gdn2_tools.preflight import missing
+from gdn2_tools.tpu import TOPOLOGIES
+
+#: bf16 matmul FLOP/s and HBM bytes/s per chip.
+PEAKS: Final = {"v5e": (197e12, 819e9), "v6e": (918e12, 1640e9)}
+LABEL: Final = "compile-time analysis (no TPU run)"
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:.2f} MiB"
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    from gdn2core import PRESETS
+
+    p = argparse.ArgumentParser(prog="gdn2 tpu-report", description=__doc__.splitlines()[0])
+    p.add_argument("--backend", default=None, help="default: the one auto picks on a TPU")
+    p.add_argument("--batch", "-B", type=int, default=8)
+    p.add_argument("--seq-len", "-T", type=int, default=4096)
+    p.add_argument("--heads", "-H", type=int, default=6)
+    p.add_argument("--dk", type=int, default=128)
+    p.add_argument("--dv", type=int, default=128)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    p.add_argument("--tpu", choices=tuple(PEAKS), default="v5e")
+    p.add_argument(
+        "--config", choices=("default", *PRESETS), default="default", help="KernelConfig preset"
+    )
+    p.add_argument("--no-compile", action="store_true", help="skip the deviceless compile")
+    return p.parse_args(list(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``gdn2 tpu-report``.
+
+    Args:
+        argv: the arguments after ``gdn2 tpu-report``.
+
+    Returns:
+        0, or 2 when no backend would run the call on a TPU or libtpu is missing for the compile.
+    """
+    args = _parse(argv or [])
+    if not args.no_compile:
+        problem = missing("libtpu", extra="tpu", why="gdn2 tpu-report (compiled HBM)")
+        if problem:
+            print(f"gdn2 tpu-report: {problem}; --no-compile skips that part")
+            return 2
+    from gdn2_tools.tpu import compile_op
+    from gdn2core import DEFAULT_CONFIG, PRESETS
+    from gdn2core.registry import BackendNotFoundError, get_backend, plugin_hook
+    from gdn2core.selection import resolve_backend
+    from gdn2core.spec import OpSpec
+    from gdn2core.verdict import verdict
+
+    config = DEFAULT_CONFIG if args.config == "default" else PRESETS[args.config]
+    B, T, H, K, V = args.batch, args.seq_len, args.heads, args.dk, args.dv
+    spec = OpSpec(B, T, H, K, V, args.dtype, K**-0.5)
+    try:
+        if args.backend is None:
+            backend = resolve_backend(spec, config, "auto", trainable=True, platform="tpu")
+        else:
+            backend = get_backend(args.backend)
+    except BackendNotFoundError as err:
+        print(f"gdn2 tpu-report: {err}")
+        return 2
+    name = backend.name
+    print(f"gdn2 tpu-report: {LABEL}")
+    print(
+        f"backend {name}; shape B={B} T={T} H={H} dk={K} dv={V} {args.dtype}; target {args.tpu} "
+        f"({TOPOLOGIES[args.tpu]}); config bt={config.bt} bc={config.bc} mb={config.mb}"
+    )
+    answer = verdict(backend, spec, config, trainable=True, auto=False, platform="tpu")
+    if not answer:
+        print(f"would not run on a TPU: {answer.reason}")
+    peak_flops, bandwidth = PEAKS[args.tpu]
+    rows = [
+        r
+        for found in plugin_hook(name, "gdn2_kernel_costs", spec=spec, config=config)
+        for r in found
+    ]
+    if rows:
+        print(f"\nper kernel ({LABEL})")
+    else:
+        print(f"\n{name} reports no per-kernel rows (no gdn2_kernel_costs hook for this call)")
+    for row in rows:
+        t_c, t_m = row.flops / peak_flops, row.bytes_accessed / bandwidth
+        bound = "compute" if t_c > t_m else "memory"
+        print(f"  {row.name}")
+        if row.notes:
+            print(f"    {row.notes}")
+        if row.vmem_bytes:
+            parts = ", ".join(f"{k} {_mib(v)}" for k, v in row.vmem_bytes.items() if k != "total")
+            limit = f" of {_mib(row.vmem_limit_bytes)} limit" if row.vmem_limit_bytes else ""
+            print(f"    VMEM/step   {_mib(row.vmem_bytes.get('total', 0))} ({parts}){limit}")
+        print(f"    FLOPs       {row.flops / 1e9:10.2f} G   exp {row.transcendentals / 1e9:.3f} G")
+        minimum = ""
+        if row.min_bytes_accessed:
+            minimum = f"  (minimum {row.min_bytes_accessed / 1e6:.1f} MB)"
+        print(f"    HBM bytes   {row.bytes_accessed / 1e6:10.1f} MB{minimum}")
+        line = (
+            f"    roofline    compute {t_c * 1e3:.3f} ms, memory {t_m * 1e3:.3f} ms -> "
+            f"{bound}-bound >= {max(t_c, t_m) * 1e3:.3f} ms"
+        )
+        if row.min_bytes_accessed:
+            line += f" (minimum-bytes bound {row.min_bytes_accessed / bandwidth * 1e3:.3f} ms)"
+        print(line)
+    if rows:
+        print("    note: the roofline assumes bf16-rate matmuls on the MXU.")
+    if args.no_compile:
+        return 0
+    topology = TOPOLOGIES[args.tpu]
+    print(f"\ncompiled HBM (memory_analysis of a deviceless compile for {topology}; {LABEL})")
+    for mode in ("forward", "train"):
+        try:
+            compiled = compile_op(name, topology, mode, B, T, H, K, V, args.dtype, config)
+        except Exception as err:  # report, do not crash: the rest of the report stands
+            print(f"  {mode}: compile failed: {type(err).__name__}: {str(err)[:300]}")
+            continue
+        m = compiled.memory_analysis()
+        what = "forward" if mode == "forward" else "value_and_grad (train step)"
+        print(
+            f"  {what}: arguments {_mib(m.argument_size_in_bytes)}, outputs "
+            f"{_mib(m.output_size_in_bytes)}, temp {_mib(m.temp_size_in_bytes)}, "
+            f"code {_mib(m.generated_code_size_in_bytes)}; "
+            f"tpu_custom_call: {'tpu_custom_call' in compiled.as_text()}"
+        )
+    return 0

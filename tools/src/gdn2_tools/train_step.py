@@ -1,0 +1,78 @@
+"""The train step every tool compiles, and its sharded input specs. Plain functions of arrays, to
+be wrapped in ``jax.jit``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from gdn2core.api import gdn2_forward_trainable
+from gdn2core.testing.checks import cotangent_loss
+
+
+def train_step(**op_kwargs: Any):
+    """``step(q, k, v, w, b, g, h0, do, dh) -> (loss, (o, h_final), grads)``.
+
+    Args:
+        **op_kwargs: keywords of :func:`gdn2core.gdn2_forward_trainable` (``backend``,
+            ``config``, ``mesh``, ``batch_axes``, ``head_axes``, ``context_axis``, ``scale``).
+
+    Returns:
+        The step: ``loss = sum(o * do) + sum(h_final * dh)`` and its gradients in the seven
+        arguments q, k, v, w, b, g, h0.
+    """
+
+    def loss(q, k, v, w, b, g, h0, do, dh):
+        o, h = gdn2_forward_trainable(q, k, v, w, b, g, h0=h0, **op_kwargs)
+        return cotangent_loss(o, h, do, dh), (o, h)
+
+    def step(q, k, v, w, b, g, h0, do, dh):
+        (val, aux), grads = jax.value_and_grad(loss, argnums=tuple(range(7)), has_aux=True)(
+            q, k, v, w, b, g, h0, do, dh
+        )
+        return val, aux, grads
+
+    return step
+
+
+def input_specs(
+    mesh: Any,
+    B: int,
+    T: int,
+    H: int,
+    dk: int,
+    dv: int,
+    *,
+    dtype: Any = jnp.bfloat16,
+    batch_axes: Any = None,
+    head_axes: Any = None,
+    context_axis: str | None = None,
+) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """``ShapeDtypeStruct`` of ``(q, k, v, w, b, g, h0, do, dh)`` with their ``NamedSharding``.
+
+    Args:
+        mesh: the mesh.
+        B, T, H, dk, dv: the shape.
+        dtype: the input dtype (h0, dh are float32; do is float32).
+        batch_axes, head_axes, context_axis: mesh axes sharding batch, heads and time (None or
+            ``()``: replicated).
+
+    Returns:
+        The nine specs.
+    """
+
+    def entry(axes):
+        return None if axes is None or axes == () else axes
+
+    tok = NamedSharding(
+        mesh, PartitionSpec(entry(batch_axes), context_axis, entry(head_axes), None)
+    )
+    st = NamedSharding(mesh, PartitionSpec(entry(batch_axes), entry(head_axes), None, None))
+    key = jax.ShapeDtypeStruct((B, T, H, dk), dtype, sharding=tok)
+    val = jax.ShapeDtypeStruct((B, T, H, dv), dtype, sharding=tok)
+    state = jax.ShapeDtypeStruct((B, H, dk, dv), jnp.float32, sharding=st)
+    dout = jax.ShapeDtypeStruct((B, T, H, dv), jnp.float32, sharding=tok)
+    return (key, key, val, val, key, key, state, dout, state)
