@@ -12,7 +12,12 @@ PYTHON_FOR_VENV ?= $(shell for p in python3.12 python3.13 python3 python; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
 	&& { echo $$p; break; }; done)
 
-.PHONY: venv test test-slow test-tpu-compile lint format demo bench clean
+FLOORS_VENV := .venv-floors
+FLOORS_PY := $(FLOORS_VENV)/bin/python
+#: The tests run against the lowest declared versions: the core, the kit, jax_ref and the layer.
+FLOORS_TESTS := tests/core tests/conformance tests/jax_ref tests/scan_baseline tests/layers
+
+.PHONY: venv test test-floors test-slow test-tpu-compile lint format demo bench clean
 
 $(PY):
 	@test -n "$(PYTHON_FOR_VENV)" || { echo "need Python >= 3.12 on PATH" >&2; exit 1; }
@@ -37,6 +42,20 @@ format: $(STAMP)
 test: lint
 	$(PY) -m pytest -m "not slow" -q
 
+# A second environment with every declared dependency at its floor (.ci/floors.py), installed
+# from the package folders as a user would (not editable), then the core and jax_ref tests.
+test-floors:
+	@test -n "$(PYTHON_FOR_VENV)" || { echo "need Python >= 3.12 on PATH" >&2; exit 1; }
+	rm -rf $(FLOORS_VENV)
+	$(PYTHON_FOR_VENV) -m venv $(FLOORS_VENV)
+	$(FLOORS_PY) -m pip install -q --upgrade "pip>=25.1"
+	$(FLOORS_PY) .ci/floors.py gdn2core:flax:testing > $(FLOORS_VENV)/constraints.txt
+	cat $(FLOORS_VENV)/constraints.txt
+	$(FLOORS_PY) -m pip install -q -c $(FLOORS_VENV)/constraints.txt "./gdn2core[flax,testing]" \
+		./backends/jax_ref ./backends/scan_baseline ./backends/pallas_tpu ./tools
+	$(FLOORS_PY) -m pip list 2>/dev/null | grep -iE "^(jax|jaxlib|numpy|pydantic|pluggy|jaxtyping|flax|optax|pytest|rich) "
+	$(FLOORS_PY) -m pytest -m "not slow and not tpu_compile" -q $(FLOORS_TESTS)
+
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow -q
 
@@ -52,4 +71,4 @@ bench: $(STAMP)
 	$(VENV)/bin/gdn2 bench
 
 clean:
-	rm -rf $(VENV) bench-results .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(FLOORS_VENV) bench-results .pytest_cache .ruff_cache

@@ -13,10 +13,15 @@ def test_info_lists_every_backend_with_its_verdict_here(capsys, monkeypatch):
     monkeypatch.delenv("GDN2_BACKEND", raising=False)
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.strip()}
-    assert "no: runs on tpu, this call on cpu" in lines["pallas_tpu"]
-    assert "yes" in lines["jax_ref"]
-    assert "no: used only when named" in lines["scan_baseline"]
+    rows = {ln.split()[0]: ln.split()[1:6] for ln in out.splitlines()[2:5]}
+    assert rows["pallas_tpu"] == ["0.1.0", "ok", "200", "no", "(1)"]
+    assert rows["jax_ref"] == ["0.1.0", "ok", "100", "yes", "yes"]
+    assert rows["scan_baseline"][3:] == ["yes", "no"]
+    assert (
+        "pallas_tpu (gdn2-pallas-tpu): (1) runs on tpu, this call on cpu; KernelConfig(interpret=True)"
+        in out
+    )
+    assert "scan_baseline: (2) used only when named" in out
     assert "jax 0." in out and "platform cpu" in out
     assert "GDN2_BACKEND is not set" in out
 

@@ -38,6 +38,12 @@ def no_env_backend(monkeypatch):
     monkeypatch.delenv("GDN2_BACKEND", raising=False)
 
 
+def one_backend(site, name: str, body: str) -> None:
+    """A third-party distribution named after its one backend, ``class Plugged`` with ``body``."""
+    module = f"fault_{name}"
+    fake_distribution(site, name.replace("_", "-"), {module: plugin_source(body)}, {name: module})
+
+
 def rows(name: str) -> list:
     return [i for i in list_backends() if i.name == name]
 
@@ -109,13 +115,17 @@ def test_reentrant_hook_does_not_deadlock(tmp_path):
         ),
         ("    name = 'other'", "the entry point is 'bad' but the backend is named 'other'"),
         (
+            "    name = 'bad'\n    capabilities = Capabilities(dk=[8], platforms=('tpu', 'npu'))",
+            "ValidationError: dk: Input should be a valid tuple; platforms.1: Input should be",
+        ),
+        (
             "    name = 'bad'\n    shard_map_check_vma = 'yes'",
             "shard_map_check_vma: expected a bool",
         ),
     ],
 )
 def test_a_malformed_backend_is_broken_alone(tmp_path, body, reason, capsys):
-    fake_distribution(tmp_path, "bad", {"fault_bad": plugin_source(body)}, {"bad": "fault_bad"})
+    one_backend(tmp_path, "bad", body)
     with on_path(tmp_path, prefixes=("fault_",)):
         (bad,) = rows("bad")
         assert bad.status is Status.BROKEN and reason in bad.reason and short(bad.reason)
@@ -145,9 +155,7 @@ def test_raising_supports_declines_only_that_call(tmp_path, caplog):
         "    name = 'flaky'\n    priority = 5000\n    capabilities = Capabilities()\n"
         "    def supports(self, spec, config):\n        raise RuntimeError('boom in supports')"
     )
-    fake_distribution(
-        tmp_path, "flaky", {"fault_flaky": plugin_source(body)}, {"flaky": "fault_flaky"}
-    )
+    one_backend(tmp_path, "flaky", body)
     x = make_inputs(Case())
     with on_path(tmp_path, prefixes=("fault_",)):
         caplog.set_level(logging.WARNING, logger="gdn2core")
@@ -164,7 +172,7 @@ def test_raising_availability_declines_and_is_listed(tmp_path, caplog):
         "    name = 'gone'\n    priority = 5000\n    capabilities = Capabilities()\n"
         "    def availability(self):\n        raise OSError('driver missing')"
     )
-    fake_distribution(tmp_path, "gone", {"fault_gone": plugin_source(body)}, {"gone": "fault_gone"})
+    one_backend(tmp_path, "gone", body)
     with on_path(tmp_path, prefixes=("fault_",)):
         (gone,) = rows("gone")
         assert not gone.available and "availability() raised OSError: driver missing" in gone.reason
@@ -177,9 +185,7 @@ def test_platforms_are_enforced(tmp_path):
         "    name = 'gpu_only'\n    priority = 5000\n"
         "    capabilities = Capabilities(platforms=('gpu',))"
     )
-    fake_distribution(
-        tmp_path, "gpu-only", {"fault_gpu": plugin_source(body)}, {"gpu_only": "fault_gpu"}
-    )
+    one_backend(tmp_path, "gpu_only", body)
     x = make_inputs(Case())
     with on_path(tmp_path, prefixes=("fault_",)):
         assert which_backend(*x.args) == "jax_ref"

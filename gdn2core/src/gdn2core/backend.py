@@ -207,6 +207,27 @@ def validate_backend(backend: object) -> Backend:
     return backend
 
 
+def short_error(err: BaseException, limit: int = 200) -> str:
+    """An exception in one line: ``Type: message`` (for pydantic errors, each field and what is
+    wrong with it), cut to ``limit`` characters, never a traceback or a plugin registry dump.
+
+    Args:
+        err: the exception.
+        limit: the longest message kept.
+
+    Returns:
+        The line.
+    """
+    errors = getattr(err, "errors", None)
+    if callable(errors) and type(err).__name__ == "ValidationError":
+        parts = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors()[:3]]
+        text = "; ".join(parts)
+    else:
+        text = (str(err).strip().splitlines() or [""])[0]
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{type(err).__name__}: {text}"
+
+
 def _show(value: object) -> str:
     text = repr(value)
     text = text if len(text) <= 60 else text[:57] + "..."

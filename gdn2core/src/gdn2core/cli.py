@@ -13,11 +13,8 @@ from collections.abc import Sequence
 import pluggy
 
 from gdn2core import commands as builtin
+from gdn2core.backend import short_error
 from gdn2core.hooks import BACKENDS_GROUP, PROJECT, TOOLS_GROUP, Command, HookSpecs
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [""])[0][:200]
 
 
 def discover_commands() -> tuple[dict[str, Command], list[str]]:
@@ -39,9 +36,7 @@ def discover_commands() -> tuple[dict[str, Command], list[str]]:
                 if not pm.is_registered(plugin):
                     pm.register(plugin, name=f"{dist}:{ep.name}")
             except Exception as err:  # one broken plugin never hides the others' commands
-                problems.append(
-                    f"plugin {ep.name} ({dist}): {type(err).__name__}: {_first_line(err)}"
-                )
+                problems.append(f"plugin {ep.name} ({dist}): {short_error(err)}")
     commands: dict[str, Command] = {}
     impls = pm.hook.gdn2_commands.get_hookimpls()
     impls.sort(key=lambda i: i.plugin is not builtin)
@@ -50,9 +45,7 @@ def discover_commands() -> tuple[dict[str, Command], list[str]]:
         try:
             offered = list(impl.function())
         except Exception as err:
-            problems.append(
-                f"{owner}: gdn2_commands() raised {type(err).__name__}: {_first_line(err)}"
-            )
+            problems.append(f"{owner}: gdn2_commands() raised {short_error(err)}")
             continue
         for cmd in offered:
             if not isinstance(cmd, Command):

@@ -37,7 +37,7 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     line = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [line.format(*header), line.format(*("-" * w for w in widths))]
-    return out + [line.format(*r).rstrip() for r in rows]
+    return [ln.rstrip() for ln in out + [line.format(*r) for r in rows]]
 
 
 def info_main(argv: Sequence[str]) -> int:
@@ -59,18 +59,26 @@ def info_main(argv: Sequence[str]) -> int:
     from gdn2core.selection import ENV_VAR
 
     platform = default_platform()
-    rows = []
-    for info in list_backends():
-        named = "yes" if info.available else f"no: {info.reason}"
-        auto = "yes" if info.auto else f"no: {info.auto_reason}"
+    infos = list_backends()
+    rows, notes = [], []
+    for info in infos:
         prio = "-" if info.priority is None else str(info.priority)
         caps = info.capabilities.describe() if info.capabilities else "-"
-        rows.append((info.name, info.version, prio, named, auto, caps))
-    header = ("backend", "version", "priority", "named call here", "backend='auto'", "capabilities")
+        named = "yes" if info.available else "no (1)"
+        auto = "yes" if info.auto else "no (2)"
+        rows.append((info.name, info.version, str(info.status), prio, named, auto, caps))
+        if not info.available:
+            notes.append(f"{info.name} ({info.distribution or 'in-process'}): (1) {info.reason}")
+        if info.available and not info.auto:
+            notes.append(f"{info.name}: (2) {info.auto_reason}")
+    header = ("backend", "version", "status", "priority", "named call", "auto", "capabilities")
     print("\n".join(_table(header, rows)) if rows else "(no backend installed)")
+    if notes:
+        print("\nwhy not: (1) a call naming it, (2) backend='auto'")
+        print("\n".join(f"  {n}" for n in notes))
     print(
         f"\nhere: jax {jax.__version__}, platform {platform}, {jax.device_count()} device(s). "
-        "'named call here': a call with backend=NAME on this platform and the default config."
+        "'named call': a call with backend=NAME on this platform and the default config."
     )
     env = os.environ.get(ENV_VAR, "").strip()
     if env:

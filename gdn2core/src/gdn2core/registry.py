@@ -31,16 +31,13 @@ from typing import Any
 
 import pluggy
 
-from gdn2core.backend import Backend, Capabilities, validate_backend
+from gdn2core.backend import Backend, Capabilities, short_error, validate_backend
 from gdn2core.hooks import BACKENDS_GROUP, PROJECT, HookSpecs
 from gdn2core.install import backend_hint
 from gdn2core.platform import default_platform
 from gdn2core.verdict import verdict
 
 log = logging.getLogger("gdn2core")
-
-#: The longest reason kept from a plugin's exception (the first line only).
-REASON_CHARS = 200
 
 
 class BackendNotFoundError(LookupError):
@@ -121,11 +118,6 @@ class _Slot:
     reason: str  # why the name is unusable ("" when it resolves)
 
 
-def _first_line(err: BaseException) -> str:
-    text = (str(err).strip().splitlines() or [""])[0]
-    return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "..."
-
-
 def _core_version() -> str | None:
     try:
         return md.version("gdn2core")
@@ -200,7 +192,7 @@ class _Discovery:
                     f"{backend.name!r}"
                 )
         except Exception as err:  # a broken plugin is listed, never fatal
-            reason = f"broken: {type(err).__name__}: {_first_line(err)}"
+            reason = f"broken: {short_error(err)}"
             log.warning("gdn2 backend plugin %r (%s) is unusable: %s", ep.name, dist_name, reason)
             return _Entry(ep.name, version, dist_name, source, first_party, None, reason)
         return _Entry(ep.name, version, dist_name, source, first_party, backend, "", plugin)

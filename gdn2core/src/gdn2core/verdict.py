@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from gdn2core.backend import YES, Backend, Verdict
+from gdn2core.backend import YES, Backend, Verdict, short_error
 from gdn2core.config import DEFAULT_CONFIG, KernelConfig
 from gdn2core.platform import default_platform
 from gdn2core.spec import OpSpec
@@ -82,14 +82,9 @@ def _ask(backend: Backend, method: str, *args) -> Verdict:
         log.warning(
             "gdn2 backend %r: %s() raised %s: %s", backend.name, method, type(err).__name__, err
         )
-        return Verdict(False, f"{method}() raised {type(err).__name__}: {_first_line(err)}")
+        return Verdict(False, f"{method}() raised {short_error(err)}")
     if isinstance(answer, Verdict):
         return answer
     if isinstance(answer, bool):
         return Verdict(answer, "" if answer else f"{method}() said no")
     return Verdict(False, f"{method}() returned {type(answer).__name__}, not a Verdict")
-
-
-def _first_line(err: BaseException, limit: int = 200) -> str:
-    text = (str(err).strip().splitlines() or [""])[0]
-    return text if len(text) <= limit else text[: limit - 3] + "..."

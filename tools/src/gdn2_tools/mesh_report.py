@@ -198,6 +198,14 @@ def _shape(text: str) -> Shape:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``gdn2 mesh-report``.
+
+    Args:
+        argv: the arguments after ``gdn2 mesh-report``.
+
+    Returns:
+        0; 1 when a shape failed to compile; 2 without libtpu or without a backend for a TPU.
+    """
     parser = argparse.ArgumentParser(
         prog="gdn2 mesh-report",
         description="Per-chip HBM of the sharded GDN-2 train step, compiled deviceless for TPU.",

@@ -146,6 +146,14 @@ def _print_table(results, note: str = "") -> None:
 
 
 def bench_main(argv: Sequence[str]) -> int:
+    """Run ``gdn2 bench``.
+
+    Args:
+        argv: the arguments after ``gdn2 bench`` (``--help`` lists them).
+
+    Returns:
+        0; 1 when a row was rejected by the gate or failed; 2 for a usage error or a missing extra.
+    """
     p = argparse.ArgumentParser(
         prog="gdn2 bench",
         description="Time every available backend (correctness-gated) for forward, backward and "
@@ -266,6 +274,14 @@ def bench_main(argv: Sequence[str]) -> int:
 
 
 def memory_main(argv: Sequence[str]) -> int:
+    """Run ``gdn2 memory``.
+
+    Args:
+        argv: the arguments after ``gdn2 memory`` (``--help`` lists them).
+
+    Returns:
+        0; 1 when a row failed; 2 for a usage error or a missing extra.
+    """
     p = argparse.ArgumentParser(
         prog="gdn2 memory",
         description="Compiled fwd+bwd memory (memory_analysis: temp, argument, output bytes) per "
