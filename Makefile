@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 PACKAGES := gdn2core backends/jax_ref backends/scan_baseline backends/pallas_tpu tools
 STAMP := $(VENV)/.installed
 export JAX_PLATFORMS ?= cpu
+# libtpu, loaded for deviceless TPU compiles, would write ~1 GB of logs per process to /tmp/tpu_logs.
+export TPU_LOG_DIR ?= disabled
 export PYTHONUNBUFFERED := 1
 
 # The first Python >= 3.12 on PATH (a .python-version file makes pyenv provide 3.12).

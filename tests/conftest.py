@@ -3,6 +3,8 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu (deviceless compiles) would log its failed device probes to /tmp/tpu_logs, ~1 GB a process.
+os.environ.setdefault("TPU_LOG_DIR", "disabled")
 
 import pytest
 

@@ -1,13 +1,11 @@
 """The token-serial reference: against a plain numpy loop, and its autodiff gradients against
 float64 central differences (derivation-independent)."""
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from gdn2core import gdn2_token_serial_reference
-from gdn2core.testing import Case, make_inputs, rel_err
+from gdn2core.testing import Case, check_central_differences, cotangent_loss, make_inputs, rel_err
 from gdn2core.testing.numpy_ref import gdn2_numpy_loop
 
 CASES = [
@@ -37,22 +35,9 @@ def test_reference_gradients_match_central_differences(case, x64):
 
     def loss(*args):
         o, h = gdn2_token_serial_reference(*args[:6], scale=0.7, h0=args[6])
-        return jnp.sum(o * x.do) + jnp.sum(h * x.dh)
+        return cotangent_loss(o, h, x.do, x.dh)
 
-    grads = jax.grad(loss, argnums=tuple(range(7)))(*primals)
-    rng = np.random.default_rng(11)
-    eps = 1e-6
-    for i, name in enumerate(NAMES):
-        direction = jnp.asarray(rng.standard_normal(primals[i].shape))
-        plus = list(primals)
-        minus = list(primals)
-        plus[i] = primals[i] + eps * direction
-        minus[i] = primals[i] - eps * direction
-        fd = (loss(*plus) - loss(*minus)) / (2 * eps)
-        ad = jnp.sum(grads[i] * direction)
-        # Central difference: truncation O(eps^2) ~ 1e-12 and rounding ~ 1e-16 / eps = 1e-10
-        # relative to |loss|; 1e-6 leaves room and still catches any wrong term (O(1) error).
-        assert abs(float(fd - ad)) <= 1e-6 * max(1.0, abs(float(ad))), (name, fd, ad)
+    check_central_differences(loss, primals, seed=11)
 
 
 def test_reference_finite_at_strong_decay():

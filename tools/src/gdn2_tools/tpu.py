@@ -34,6 +34,9 @@ def topology_mesh(topology: str, axis: str = "x") -> Mesh:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu must not try to open a TPU
     # A deviceless compile opens no TPU: do not let another process's libtpu lockfile stop it.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # Off a TPU host libtpu logs its failed device probes to /tmp/tpu_logs, about 1 GB per
+    # process; the compile needs none of it.
+    os.environ.setdefault("TPU_LOG_DIR", "disabled")
     from jax.experimental import topologies
 
     topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)

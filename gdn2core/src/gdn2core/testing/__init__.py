@@ -7,6 +7,7 @@ Importing :mod:`gdn2core` never imports this package.
 
 from gdn2core.testing.backends import ReferenceBackend
 from gdn2core.testing.checks import (
+    check_central_differences,
     cotangent_loss,
     outputs_and_grads,
     reference,
@@ -52,6 +53,7 @@ __all__ = [
     "Target",
     "assert_close",
     "capability",
+    "check_central_differences",
     "cotangent_loss",
     "make_arrays",
     "make_inputs",

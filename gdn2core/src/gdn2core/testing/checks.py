@@ -10,9 +10,10 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gdn2core.reference import gdn2_token_serial_reference
-from gdn2core.testing.inputs import Inputs
+from gdn2core.testing.inputs import GRAD_NAMES, Inputs
 
 OpFn = Callable[..., tuple[jax.Array, jax.Array]]
 
@@ -76,3 +77,34 @@ def reference_outputs_and_grads(x: Inputs):
     wide = x.astype(acc)
     with jax.default_matmul_precision("highest"):
         return outputs_and_grads(reference, wide)
+
+
+def check_central_differences(loss: Callable, primals, *, seed: int = 7, eps: float = 1e-6):
+    """Directional derivatives of ``loss`` (float64) against its autodiff gradients.
+
+    For each of the seven arguments, a random direction ``d``: the central difference
+    ``(loss(x + eps d) - loss(x - eps d)) / 2 eps`` must equal ``<grad, d>`` to ``1e-6`` relative
+    (truncation is O(eps^2) ~ 1e-12 and rounding ~ 1e-16 / eps = 1e-10 of |loss|, far below; any
+    wrong term is O(1)). Needs ``jax_enable_x64``.
+
+    Args:
+        loss: ``loss(q, k, v, w, b, g, h0) -> scalar``.
+        primals: the seven float64 arguments.
+        seed: the directions' seed.
+        eps: the step.
+
+    Raises:
+        AssertionError: naming the gradient whose derivative disagrees.
+    """
+    loss = jax.jit(loss)
+    grads = jax.jit(jax.grad(loss, argnums=tuple(range(len(primals)))))(*primals)
+    rng = np.random.default_rng(seed)
+    for i, name in enumerate(GRAD_NAMES[: len(primals)]):
+        d = jnp.asarray(rng.standard_normal(primals[i].shape))
+        plus = [p + eps * d if j == i else p for j, p in enumerate(primals)]
+        minus = [p - eps * d if j == i else p for j, p in enumerate(primals)]
+        fd = float((loss(*plus) - loss(*minus)) / (2 * eps))
+        ad = float(jnp.sum(grads[i] * d))
+        assert abs(fd - ad) <= 1e-6 * max(1.0, abs(ad)), (
+            f"{name}: central difference {fd} vs autodiff {ad}"
+        )

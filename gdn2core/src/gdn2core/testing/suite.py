@@ -28,7 +28,12 @@ from gdn2core.api import gdn2_forward, gdn2_forward_trainable
 from gdn2core.config import DEFAULT_CONFIG, KernelConfig
 from gdn2core.platform import default_platform
 from gdn2core.spec import OpSpec
-from gdn2core.testing.checks import cotangent_loss, outputs_and_grads, reference_outputs_and_grads
+from gdn2core.testing.checks import (
+    check_central_differences,
+    cotangent_loss,
+    outputs_and_grads,
+    reference_outputs_and_grads,
+)
 from gdn2core.testing.inputs import GRAD_NAMES, Case, Decay, Inputs, make_inputs
 from gdn2core.testing.metrics import rel_err, tolerance
 from gdn2core.testing.numpy_ref import gated_deltanet_numpy_loop, kda_numpy_loop
@@ -291,20 +296,7 @@ class ConformanceSuite:
             o, h = fn(*args)
             return cotangent_loss(o, h, x.do, x.dh)
 
-        primals = (*x.args, x.h0_or_zeros)
-        loss = jax.jit(loss)
-        grads = jax.jit(jax.grad(loss, argnums=tuple(range(7))))(*primals)
-        rng = np.random.default_rng(7)
-        eps = 1e-6
-        for i, name in enumerate(GRAD_NAMES):
-            d = jnp.asarray(rng.standard_normal(primals[i].shape))
-            plus = [p + eps * d if j == i else p for j, p in enumerate(primals)]
-            minus = [p - eps * d if j == i else p for j, p in enumerate(primals)]
-            fd = float((loss(*plus) - loss(*minus)) / (2 * eps))
-            ad = float(jnp.sum(grads[i] * d))
-            # O(eps^2) truncation and O(1e-16 / eps) rounding, relative: 1e-6 is far above both
-            # and far below any wrong term.
-            assert abs(fd - ad) <= 1e-6 * max(1.0, abs(ad)), f"{name}: fd {fd} vs autodiff {ad}"
+        check_central_differences(loss, (*x.args, x.h0_or_zeros))
 
     @capability(Feature.FORWARD)
     def test_reduces_to_kimi_delta_attention(self, gdn2_target: Target):
