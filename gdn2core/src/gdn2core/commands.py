@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from gdn2core.hooks import Command, hookimpl
 from gdn2core.install import pip_command
@@ -119,8 +120,10 @@ def conformance_main(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    # A fresh interpreter: pytest rewrites the asserts of plugin packages it imports itself.
-    options = ["-p", "gdn2", "-p", "no:cacheprovider", "-c", os.devnull, "-q"]
+    # A fresh interpreter: pytest rewrites the asserts of plugin packages it imports itself. Only
+    # the suite is collected (never the current directory), with no project's configuration.
+    suite = Path(__file__).resolve().parent / "testing" / "suite.py"
+    options = [str(suite), "-p", "gdn2", "-p", "no:cacheprovider", "-c", os.devnull, "-q"]
     for name in args.backends:
         options += ["--gdn2-backend", name]
     cmd = [sys.executable, "-m", "pytest", *options, *extra]

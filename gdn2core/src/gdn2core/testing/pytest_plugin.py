@@ -40,9 +40,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_ITEMS] = {}
     config.pluginmanager.register(_Recorder(config), "gdn2-conformance-recorder")
     if config.getoption("gdn2_backend"):
-        suite = str(Path(__file__).with_name("suite.py"))
-        if suite not in config.args:
-            config.args.append(suite)
+        suite = Path(__file__).resolve().with_name("suite.py")
+        given = {Path(a.split("::")[0]).resolve() for a in config.args}
+        if suite not in given:
+            config.args.append(str(suite))
 
 
 def _option_targets(config: pytest.Config) -> tuple:
