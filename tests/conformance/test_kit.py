@@ -26,6 +26,7 @@ def test_wrong_backend_fails_naming_the_capability(tmp_path):
     """``gdn2 conformance`` on a backend whose dg is half the true one: forward passes (its
     outputs are exact), trainable fails with dg named, and the exit code says so."""
     env = subprocess_env(tmp_path, "gdn2-wrong-backend")
+    (tmp_path / "test_decoy.py").write_text("def test_decoy():\n    assert False\n")
     proc = subprocess.run(
         [sys.executable, "-m", "gdn2core.cli", "conformance", "wrong_grad"],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600, check=False,
@@ -37,6 +38,7 @@ def test_wrong_backend_fails_naming_the_capability(tmp_path):
     assert "forward PASS" in summary[0] and "trainable FAIL" in summary[0], summary
     assert "not claimed: bfloat16, float64" in summary[0], summary
     assert "dg: relative error" in out and "> tolerance 3e-04" in out, out
+    assert "test_decoy" not in out  # only the suite is collected, not the current directory
 
 
 def test_target_is_derived_from_declared_capabilities(tmp_path):
