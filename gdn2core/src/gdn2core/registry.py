@@ -1,6 +1,6 @@
 """Backend discovery (entry points of ``gdn2.backends``, driven by pluggy) and lookup.
 
-Rules (the README's "Backends" section states them for users):
+Rules (docs/backends.md states them for users):
 
 - Discovery runs once, lazily, on first use. Each plugin is loaded, asked for its backend, and its
   backend's fields validated on its own: one that fails to import, raises, or hands over a
