@@ -5,20 +5,21 @@
   call elsewhere runs with ``KernelConfig(interpret=True)`` (TPU interpret mode). The core refuses
   an eager call off a TPU without it; a traced call cannot know its target platform yet (a CPU host
   may lower for TPU) and is guarded when it is lowered (``vjp.py``).
-- ``supports()``: blockings whose tiles are sublane aligned and whose VMEM byte model fits
-  (config.py); ``hybrid_forward`` needs gdn2-jax-ref (the ``hybrid`` extra).
-- ``config.clip`` is not read: the kernels never form a positive exponent (chunk_math.py).
+- ``supports()``: chunk lengths of the level scheme (plan.py) whose VMEM byte model fits.
+- ``config.bc``, ``config.mb`` and ``config.clip`` are not read: the level scheme has no
+  sub-chunks and never forms a positive exponent (chunk_math.py).
 """
 
 from __future__ import annotations
 
 import jax
 
-from gdn2_pallas_tpu.config import (
+from gdn2_pallas_tpu.plan import (
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_SIZES,
-    check_vmem,
+    check_plan,
     make_plan,
+    vmem_capacity_bytes,
 )
 from gdn2core.plugin import (
     YES,
@@ -57,35 +58,19 @@ class PallasTpuBackend(Backend):
     )
 
     def supports(self, spec: OpSpec, config: KernelConfig) -> Verdict:
-        """Sublane-aligned chunks, a VMEM fit, and gdn2-jax-ref for ``hybrid_forward``."""
-        if config.bt % 8 != 0:
-            return Verdict(
-                False, f"bt={config.bt} must be a multiple of 8 (TPU sublane tile of a chunk)"
-            )
-        if config.hybrid_forward:
-            try:
-                import gdn2_jax_ref  # noqa: F401
-            except ImportError as err:
-                return Verdict(
-                    False, f"hybrid_forward needs gdn2-jax-ref (the 'hybrid' extra): {err}"
-                )
-        reason = check_vmem(spec, config)
-        if reason:
-            return Verdict(False, reason)
-        return YES
+        """A chunk length of the level scheme, and a VMEM fit."""
+        reason = check_plan(spec, config)
+        return Verdict(False, reason) if reason else YES
 
     def forward(
         self, q, k, v, w, b, g, h0, *, spec: OpSpec, config: KernelConfig
     ) -> tuple[jax.Array, jax.Array]:
         """The inference forward kernel (see :class:`gdn2core.plugin.Backend`)."""
-        if config.hybrid_forward:  # no kernel runs in the inference forward of this mode
-            from gdn2_pallas_tpu.hybrid import jax_ref_forward
-
-            return jax_ref_forward(q, k, v, w, b, g, h0, spec=spec, config=config)
         _check_platform(q, config)
         from gdn2_pallas_tpu.vjp import gdn2_pallas_forward
 
-        o, h_final = gdn2_pallas_forward(q, k, v, w, b, g, h0, make_plan(spec, config))
+        plan = make_plan(spec, config, vmem_capacity_bytes(q))
+        o, h_final = gdn2_pallas_forward(q, k, v, w, b, g, h0, plan)
         return probe("pallas_tpu o", o), probe("pallas_tpu h_final", h_final)
 
     def forward_trainable(
@@ -93,12 +78,8 @@ class PallasTpuBackend(Backend):
     ) -> tuple[jax.Array, jax.Array]:
         """Forward and backward kernels under one ``jax.custom_vjp``."""
         _check_platform(q, config)
-        plan = make_plan(spec, config)
-        if config.hybrid_forward:
-            from gdn2_pallas_tpu.hybrid import gdn2_hybrid_trainable
-
-            return gdn2_hybrid_trainable(q, k, v, w, b, g, h0, plan, spec, config)
         from gdn2_pallas_tpu.vjp import gdn2_pallas_trainable
 
+        plan = make_plan(spec, config, vmem_capacity_bytes(q))
         o, h_final = gdn2_pallas_trainable(q, k, v, w, b, g, h0, plan)
         return probe("pallas_tpu o", o), probe("pallas_tpu h_final", h_final)

@@ -1,231 +1,254 @@
-"""In-kernel chunk math shared by the forward and backward kernels (ALGORITHM.md F1-F9, B1-B10).
+"""In-kernel chunk math of the forward and backward kernels (docs/algorithm.md, F1-F9, B1-B10).
 
-Everything here runs inside a Pallas TPU kernel on one chunk of ``C = 2 c`` tokens of one
-(batch, head): plain 2-D float32 values, 2-D iotas and masks, matmuls through ``lax.dot_general``.
+Every function works on a batch of units: arrays ``[U, C, d]`` where a unit is one chunk of
+``C`` tokens of one head, so that the chunk-parallel work of all the chunks and heads of a grid
+step runs as batched matrix products whose dependency chains interleave on the MXU.
 
-Decay-safe scores (section 5.1). ``Score(X, Y)[r, s] = sum_ch X[r,ch] Y[s,ch] exp(Γ[r,ch]-Γ[s,ch])``:
+Decay-safe scores by levels (docs/algorithm.md, "Scores by levels"). ``C = 2^L``. Two rows
+``s < r`` of a chunk are first separated at one level ``l`` (``h = 2^l``): they lie in the same
+aligned ``2h``-block, ``r`` in its lower half and ``s`` in its upper half. Through the block's
+reference row ``p`` (the first row of the lower half; ``s < p <= r``)::
 
-- off-diagonal sub-block (rows c..C-1, columns 0..c-1): one matmul through the reference row
-  ``p = c``, ``(X ⊙ exp(Γ - Γ_p)) (Y ⊙ exp(Γ_p - Γ))^T`` with both exponents <= 0 (the other rows
-  are masked to -inf before the exp, i.e. to exact zeros);
-- diagonal c x c sub-blocks: pairwise, one column pair (j, c + j) per loop step, the exponent
-  ``Γ_r - Γ_s`` masked to -inf before the exp where s > r.
+    exp(Γ_r - Γ_s) = exp(Γ_r - Γ_p) * exp(Γ_p - Γ_s),   both exponents <= 0
 
-So only exponents <= 0 are ever formed: exact (up to underflow) at any decay strength, no clip.
+so the pairs of level ``l`` are one masked matrix product of ``X ⊙ exp(Γ - Γ_p)`` (lower rows)
+with ``Y ⊙ exp(Γ_p - Γ)`` (upper rows). ``L`` products cover every pair below the diagonal; the
+diagonal itself has factor ``exp(0) = 1``. No exponent is ever positive, there is no clip, and the
+result is exact up to underflow at any decay strength. The same per-level factors give the two
+backward contractions (rho, kappa) as ``L`` products each.
+
+The WY inverse by the same levels: with ``T_l`` the inverse of the block-diagonal part of
+``M = (1 + eps) I + A_kk`` in blocks of ``2^l`` rows, and ``A_l`` the pairs of level ``l``,
+``T_(l+1) = T_l - T_l A_l T_l`` exactly (``A_l T_l A_l = 0``): ``2 L`` products.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Final
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from gdn2_pallas_tpu.matmul import MatmulPrecision, mm, mm_nt, mm_tn
 
 F32 = jnp.float32
-HIGHEST = lax.Precision.HIGHEST
-NEG_INF = -jnp.inf
+#: Rows of one float32 vector register (a sublane tile).
+NUM_SUBLANES: Final = 8
+#: Log decays below this are raised to it. ``exp`` of anything below about -103.3 is exactly 0 in
+#: float32, so a per-token decay of ``exp(G_FLOOR)`` forgets the state exactly as ``exp(-inf)``
+#: does, while every cumulative sum stays finite (``-inf - (-inf)`` would be NaN). Its gradient is
+#: 0 below the floor, as the reference's (``exp(g) * ...`` underflows to 0 there).
+G_FLOOR: Final = -128.0
 
 
-def mm(a, b):
-    """a @ b, float32 accumulation at full precision."""
-    return lax.dot_general(
-        a, b, (((1,), (0,)), ((), ())), precision=HIGHEST, preferred_element_type=F32
-    )
-
-
-def mm_nt(a, b):
-    """a @ b^T."""
-    return lax.dot_general(
-        a, b, (((1,), (1,)), ((), ())), precision=HIGHEST, preferred_element_type=F32
-    )
-
-
-def mm_tn(a, b):
-    """a^T @ b."""
-    return lax.dot_general(
-        a, b, (((0,), (0,)), ((), ())), precision=HIGHEST, preferred_element_type=F32
-    )
-
-
-def iota(shape, dim):
+def iota(shape: tuple[int, ...], dim: int) -> jax.Array:
     return lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
-def row_to_col(x):
-    """[1, K] -> [K, 1] without a transpose: broadcast, keep the diagonal, lane-reduce."""
-    K = x.shape[1]
-    eye = iota((K, K), 0) == iota((K, K), 1)
-    return jnp.sum(jnp.where(eye, jnp.broadcast_to(x, (K, K)), 0.0), axis=1, keepdims=True)
+def roll_rows(x: jax.Array, shift: int) -> jax.Array:
+    """``out[:, r] = x[:, r - shift]`` along the row axis (cyclic; callers mask the wrap)."""
+    C = x.shape[1]
+    return pltpu.roll(x, shift % C, 1)
 
 
-def col_to_row(x):
-    """[K, 1] -> [1, K]."""
-    K = x.shape[0]
-    eye = iota((K, K), 0) == iota((K, K), 1)
-    return jnp.sum(jnp.where(eye, jnp.broadcast_to(x, (K, K)), 0.0), axis=0, keepdims=True)
+def cumsum_rows(x: jax.Array, reverse: bool = False) -> jax.Array:
+    """Inclusive (or reverse inclusive) sum along the rows of ``[U, C, d]``: log2(C) steps of a
+    sublane roll and a masked float32 add."""
+    C = x.shape[1]
+    rows = iota(x.shape, 1)
+    shift = 1
+    while shift < C:
+        if reverse:
+            x = x + jnp.where(rows < C - shift, roll_rows(x, -shift), 0.0)
+        else:
+            x = x + jnp.where(rows >= shift, roll_rows(x, shift), 0.0)
+        shift *= 2
+    return x
+
+
+def n_levels(C: int) -> int:
+    return C.bit_length() - 1
+
+
+def level_pairs(C: int, level: int) -> jax.Array:
+    """[C, C] bool: the pairs (r, s) first separated at ``level`` (r in the lower half of the
+    aligned ``2^(level+1)``-block, s in its upper half)."""
+    r, s = iota((C, C), 0), iota((C, C), 1)
+    h = 1 << level
+    return ((r >> (level + 1)) == (s >> (level + 1))) & ((r & h) != 0) & ((s & h) == 0)
+
+
+def _reference_rows(gamma_cum: jax.Array, h: int) -> jax.Array:
+    """Γ at each row's level-``h`` reference row, ``[U, C, K]``.
+
+    ``h >= 8``: whole sublane tiles, a reshape and a broadcast. ``h = 2, 4``: inside each 8-row
+    tile, a sublane broadcast per reference row (no relayout across tiles)."""
+    U, C, K = gamma_cum.shape
+    if h >= NUM_SUBLANES:
+        blocks = gamma_cum.reshape(U, C // (2 * h), 2 * h, K)
+        ref = jnp.broadcast_to(blocks[:, :, h : h + 1, :], blocks.shape)
+        return ref.reshape(U, C, K)
+    tiles = gamma_cum.reshape(U, C // NUM_SUBLANES, NUM_SUBLANES, K)  # [U, C/8, 8, K]
+    sub = lax.broadcasted_iota(jnp.int32, tiles.shape, 2)
+    ref = jnp.zeros_like(tiles)
+    for p in range(h, NUM_SUBLANES, 2 * h):  # first row of each lower half in the tile
+        row = jnp.broadcast_to(tiles[:, :, p : p + 1, :], tiles.shape)
+        ref = jnp.where((sub >= p - h) & (sub < p + h), row, ref)
+    return ref.reshape(U, C, K)
+
+
+@dataclasses.dataclass(frozen=True)
+class Level:
+    """The decay factors of one level: ``lower`` [U, C, K] bool marks the lower-half rows;
+    ``F`` [U, C, K] is ``exp(Γ_r - Γ_p)`` on lower rows and ``exp(Γ_p - Γ_s)`` on upper rows."""
+
+    lower: jax.Array
+    F: jax.Array
+
+    @property
+    def row_factor(self) -> jax.Array:
+        """[U, C, K]: the factor of the later row r of a pair (0 on upper rows)."""
+        return jnp.where(self.lower, self.F, 0.0)
+
+    @property
+    def col_factor(self) -> jax.Array:
+        """[U, C, K]: the factor of the earlier row s of a pair (0 on lower rows)."""
+        return jnp.where(self.lower, 0.0, self.F)
+
+
+def decay_levels(gamma_cum: jax.Array, g: jax.Array) -> list[Level]:
+    """The ``L`` levels of a chunk (Γ = ``gamma_cum`` and the clamped ``g``, both [U, C, K])."""
+    U, C, K = gamma_cum.shape
+    rows = iota((U, C, K), 1)
+    levels = []
+    for level in range(n_levels(C)):
+        h = 1 << level
+        lower = (rows & h) != 0
+        if h == 1:  # p = r for odd r (factor 1); even s pairs with p = s + 1: exp(g_(s+1))
+            expo = jnp.where(lower, 0.0, roll_rows(g, -1))
+        else:
+            ref = _reference_rows(gamma_cum, h)
+            expo = jnp.where(lower, gamma_cum - ref, ref - gamma_cum)  # <= 0 on both halves
+        levels.append(Level(lower, jnp.exp(expo)))
+    return levels
 
 
 @dataclasses.dataclass(frozen=True)
 class ChunkLocal:
-    """Phase A of one chunk (F1-F6); every field float32."""
+    """Phase A quantities of a batch of units (F1-F3); float32 [U, C, *] unless noted."""
 
-    gamma_cum: jax.Array  # [C, K] Γ, inclusive chunk-local cumsum of g
-    eG: jax.Array  # [C, K] exp(Γ)
-    eTail: jax.Array  # [C, K] exp(Γ_C - Γ)
-    gamma_c: jax.Array  # [1, K] γ_C = exp(Γ_C)
-    E: jax.Array  # [C, K] b ⊙ k
-    Z: jax.Array  # [C, V] w ⊙ v
-    Ebar: jax.Array  # [C, K] Ē = exp(Γ) ⊙ E
-    Qt: jax.Array | None  # [C, K] Q̃ = exp(Γ) ⊙ q
-    Kt: jax.Array  # [C, K] K̃ = exp(Γ_C - Γ) ⊙ k
-    A_kk: jax.Array  # [C, C] strictly lower
-    A_qk: jax.Array | None  # [C, C] lower incl. diagonal
-    T: jax.Array  # [C, C] ((1 + eps) I + A_kk)^-1
-    Y: jax.Array  # [C, K] T Ē
-    U: jax.Array  # [C, V] T Z
+    gamma_cum: jax.Array  # Γ, inclusive chunk-local cumsum of g [U, C, K]
+    e_gamma: jax.Array  # exp(Γ) [U, C, K]
+    e_tail: jax.Array  # exp(Γ_C - Γ) [U, C, K]
+    decay_C: jax.Array  # γ_C = exp(Γ_C) [U, 1, K]
+    E: jax.Array  # b ⊙ k [U, C, K]
+    Z: jax.Array  # w ⊙ v [U, C, V]
+    E_bar: jax.Array  # exp(Γ) ⊙ E [U, C, K]
+    Q_tilde: jax.Array  # exp(Γ) ⊙ q [U, C, K]
+    K_tilde: jax.Array  # exp(Γ_C - Γ) ⊙ k [U, C, K]
+    levels: list[Level]
 
-
-class DecayFactors:
-    """Masked decay factors of the reference-row split and of the pairwise diagonal blocks."""
-
-    def __init__(self, gamma_cum, c, gam_ref):
-        C, K = gamma_cum.shape
-        self.C, self.c, self.K = C, c, K
-        self.gamma_cum = gamma_cum
-        self.gam_ref = gam_ref  # VMEM scratch [C, K] f32 holding Γ (for dynamic row loads)
-        rows = iota((C, K), 0)
-        self.top = rows < c  # [C, K] rows of the first sub-chunk
-        self.rmod = jnp.where(self.top, rows, rows - c)  # [C, K] row index inside its sub-chunk
-        gp = gamma_cum[c : c + 1, :]  # [1, K] Γ at the reference row p = c
-        self.e_row = jnp.exp(jnp.where(self.top, NEG_INF, gamma_cum - gp))  # [C, K] rows >= c
-        self.e_col = jnp.exp(jnp.where(self.top, gp - gamma_cum, NEG_INF))  # [C, K] rows < c
-        rr, ss = iota((C, C), 0), iota((C, C), 1)
-        self.rr, self.ss = rr, ss
-        self.top_cc = rr < c  # [C, C]
-
-    def diag(self, j):
-        """Pairwise factors of column j (rows < c) and column c + j (rows >= c).
-
-        Returns (dec [C, K], col_sel [C, C] bool) with dec[r] = exp(Γ_r - Γ_s(r)) masked to 0 for
-        r < s(r), s(r) = j or c + j, and col_sel[r, s] = (s == s(r))."""
-        g_j = self.gam_ref[pl.ds(j, 1), :]  # [1, K]
-        g_cj = self.gam_ref[pl.ds(self.c + j, 1), :]  # [1, K]
-        g_sel = jnp.where(self.top, g_j, g_cj)  # [C, K]
-        dec = jnp.exp(jnp.where(self.rmod >= j, self.gamma_cum - g_sel, NEG_INF))  # [C, K] <= 1
-        col_sel = self.ss == jnp.where(self.top_cc, j, self.c + j)  # [C, C]
-        return dec, col_sel
-
-    def select_rows(self, ref, j):
-        """[C, K]: ref row j broadcast over the first sub-chunk, row c + j over the second."""
-        return jnp.where(self.top, ref[pl.ds(j, 1), :], ref[pl.ds(self.c + j, 1), :])
+    @property
+    def decay_C_col(self) -> jax.Array:
+        """γ_C as a column [U, K, 1], to scale the rows of a state."""
+        return jnp.swapaxes(self.decay_C, 1, 2)
 
 
-def unit_lower_inverse(A, mb, eps):
-    """T = ((1 + eps) I + A)^-1 for strictly-lower A [C, C] (F5).
+def clamp_log_decay(g: jax.Array) -> jax.Array:
+    """``max(g, G_FLOOR)``: -inf (forget entirely) becomes an exactly-zero decay (NaN stays NaN)."""
+    return jnp.maximum(g, G_FLOOR)
 
-    Diagonal mb x mb micro-blocks by row recursion (all micro-blocks at once), then the
-    off-diagonal blocks by the block recursion T_I = T_II (E_I - sum_{L<I} A_IL T_L)."""
-    C = A.shape[0]
-    rr, ss = iota((C, C), 0), iota((C, C), 1)
-    same = lax.div(rr, mb) == lax.div(ss, mb)  # [C, C] same micro-block
-    A_bd = jnp.where(same, A, 0.0)  # [C, C] block-diagonal part
-    A_off = jnp.where(same, 0.0, A)  # [C, C] strictly block-lower part
-    eye = (rr == ss).astype(F32)  # [C, C]
-    inv = 1.0 / (1.0 + eps)
-    r_in = lax.rem(rr, mb)  # [C, C] row index inside the micro-block
-    T_bd = eye * inv  # [C, C]
-    for r in range(1, mb):
-        T_bd = jnp.where(r_in == r, (eye - mm(A_bd, T_bd)) * inv, T_bd)
-    T = T_bd  # [C, C]
-    blk = lax.div(rr, mb)
-    for i in range(1, C // mb):
-        T = jnp.where(blk == i, mm(T_bd, eye - mm(A_off, T)), T)
+
+def chunk_local(q, k, v, w, b, g) -> ChunkLocal:
+    """F1-F3 and the decay levels for [U, C, d] float32 inputs (``g`` already clamped)."""
+    C = k.shape[1]
+    gamma_cum = cumsum_rows(g)  # [U, C, K] F1
+    gamma_last = gamma_cum[:, C - 1 : C, :]  # [U, 1, K] Γ_C
+    e_gamma = jnp.exp(gamma_cum)  # [U, C, K] <= 1
+    e_tail = jnp.exp(gamma_last - gamma_cum)  # [U, C, K] <= 1
+    E = b * k  # [U, C, K] F2
+    return ChunkLocal(
+        gamma_cum=gamma_cum,
+        e_gamma=e_gamma,
+        e_tail=e_tail,
+        decay_C=jnp.exp(gamma_last),
+        E=E,
+        Z=w * v,  # [U, C, V]
+        E_bar=e_gamma * E,  # F3
+        Q_tilde=e_gamma * q,
+        K_tilde=e_tail * k,
+        levels=decay_levels(gamma_cum, g),
+    )
+
+
+def scores(
+    E: jax.Array, q: jax.Array, k: jax.Array, levels: list[Level], precision: MatmulPrecision
+) -> tuple[jax.Array, jax.Array]:
+    """F4: ``A_kk`` [U, C, C] (strictly lower) and ``A_qk`` [U, C, C] (lower, diagonal included),
+    one stacked product per level."""
+    U, C, _ = k.shape
+    A_kk = jnp.zeros((U, C, C), F32)
+    A_qk = jnp.zeros((U, C, C), F32)
+    for level, lv in enumerate(levels):
+        row_f = lv.row_factor  # [U, C, K]
+        X = jnp.concatenate([E * row_f, q * row_f], axis=1)  # [U, 2C, K]
+        pairs = mm_nt(X, k * lv.col_factor, precision)  # [U, 2C, C]
+        here = level_pairs(C, level)  # [C, C]
+        A_kk = jnp.where(here, pairs[:, :C], A_kk)
+        A_qk = jnp.where(here, pairs[:, C:], A_qk)
+    eye = iota((C, C), 0) == iota((C, C), 1)
+    return A_kk, jnp.where(eye, jnp.sum(q * k, axis=2, keepdims=True), A_qk)
+
+
+def wy_inverse(A_kk: jax.Array, wy_eps: float, precision: MatmulPrecision) -> jax.Array:
+    """F5: ``T = ((1 + wy_eps) I + A_kk)^-1`` [U, C, C] by levels (module docstring)."""
+    U, C, _ = A_kk.shape
+    eye = (iota((C, C), 0) == iota((C, C), 1)).astype(F32)
+    T = jnp.broadcast_to(eye / (1.0 + wy_eps), (U, C, C))  # [U, C, C] level 0: the diagonal
+    for level in range(n_levels(C)):
+        A_l = jnp.where(level_pairs(C, level), A_kk, 0.0)  # [U, C, C]
+        T = T - mm(T, mm(A_l, T, precision), precision)
     return T
 
 
-def chunk_local(q, k, v, w, b, g, *, c, mb, eps, gam_ref, k_ref) -> ChunkLocal:
-    """Phase A (F1-F6) of one chunk. q may be None (no A_qk, Q̃). Inputs [C, K] / [C, V] f32.
+@dataclasses.dataclass(frozen=True)
+class ScoreGrads:
+    """B7 without the exact self-pair terms (the diagonal of ``A_qk``, factor exp(0)), which carry
+    no gradient to Γ; adding and then cancelling them in dΓ would only leave rounding behind."""
 
-    gam_ref, k_ref: VMEM scratch [C, K] f32 (overwritten) for the dynamic row loads of the
-    pairwise diagonal blocks."""
-    C = k.shape[0]
-    rr = iota((C, C), 0)
-    ss = iota((C, C), 1)
-    lower_incl = (ss <= rr).astype(F32)  # [C, C]
-    gamma_cum = mm(lower_incl, g)  # [C, K] F1 Γ (f32 cumsum as a matmul)
-    gam_last = gamma_cum[C - 1 : C, :]  # [1, K] Γ_C
-    eG = jnp.exp(gamma_cum)  # [C, K] <= 1
-    eTail = jnp.exp(gam_last - gamma_cum)  # [C, K] <= 1
-    gamma_c = jnp.exp(gam_last)  # [1, K]
-    E = b * k  # [C, K] F2
-    Z = w * v  # [C, V]
-    Ebar = eG * E  # [C, K] F3
-    Qt = None if q is None else eG * q  # [C, K]
-    Kt = eTail * k  # [C, K]
-
-    gam_ref[...] = gamma_cum
-    k_ref[...] = k
-    dec = DecayFactors(gamma_cum, c, gam_ref)
-    kc = k * dec.e_col  # [C, K] column side of the off-diagonal block
-    A_kk = mm_nt(E * dec.e_row, kc)  # [C, C] F4 off-diagonal block (rows >= c, cols < c)
-    A_qk = None if q is None else mm_nt(q * dec.e_row, kc)  # [C, C]
-
-    def body(j, carry):
-        a_kk, a_qk = carry
-        d, col_sel = dec.diag(j)  # [C, K], [C, C]
-        kd = dec.select_rows(k_ref, j) * d  # [C, K] k_s ⊙ exp(Γ_r - Γ_s)
-        a_kk = a_kk + jnp.where(col_sel, jnp.sum(E * kd, axis=1, keepdims=True), 0.0)
-        if a_qk is not None:
-            a_qk = a_qk + jnp.where(col_sel, jnp.sum(q * kd, axis=1, keepdims=True), 0.0)
-        return a_kk, a_qk
-
-    A_kk, A_qk = lax.fori_loop(0, c, body, (A_kk, A_qk))
-    A_kk = jnp.where(ss < rr, A_kk, 0.0)  # [C, C] strictly lower
-    T = unit_lower_inverse(A_kk, mb, eps)  # [C, C] F5
-    Y = mm(T, Ebar)  # [C, K] F6
-    U = mm(T, Z)  # [C, V]
-    return ChunkLocal(gamma_cum, eG, eTail, gamma_c, E, Z, Ebar, Qt, Kt, A_kk, A_qk, T, Y, U)
+    dQ_s: jax.Array  # rho(P_qk, k) [U, C, K]
+    dE_s: jax.Array  # rho(P_kk, k) [U, C, K]
+    dK_s: jax.Array  # kappa(P_qk, q) + kappa(P_kk, E) [U, C, K]
+    diag_qk: jax.Array  # diagonal of P_qk [U, C, 1]: adds diag_qk * k to dq, diag_qk * q to dk
 
 
-def state_update(L: ChunkLocal, S, R):
-    """F9: S_next = γ_C ⊙_rows S + K̃^T R.  S [K, V], R [C, V] f32."""
-    return row_to_col(L.gamma_c) * S + mm_tn(L.Kt, R)
-
-
-def score_backward(P_qk, P_kk, q, k, E, dec: DecayFactors, k_ref):
-    """B7: ρ(P_qk, k), κ(P_qk, q), ρ(P_kk, k), κ(P_kk, E) -> dQ_s, dK_1, dE_s, dK_2 [C, K].
-
-    k_ref: VMEM scratch [C, K] f32 holding k (dynamic row loads)."""
-    C, K = k.shape
-    c = dec.c
-    # off-diagonal sub-block through the reference row (both factors <= 1)
-    ke = k * dec.e_col  # [C, K]
-    dQs = dec.e_row * mm(P_qk, ke)  # [C, K] rows >= c
-    dEs = dec.e_row * mm(P_kk, ke)  # [C, K]
-    dK1 = dec.e_col * mm_tn(P_qk, q * dec.e_row)  # [C, K] rows < c
-    dK2 = dec.e_col * mm_tn(P_kk, E * dec.e_row)  # [C, K]
-    rows = iota((C, K), 0)
-
-    def body(j, carry):
-        dQs, dEs, dK1, dK2 = carry
-        d, col_sel = dec.diag(j)  # [C, K], [C, C]
-        pq = jnp.sum(jnp.where(col_sel, P_qk, 0.0), axis=1, keepdims=True)  # [C, 1] P_qk[r, s(r)]
-        pk = jnp.sum(jnp.where(col_sel, P_kk, 0.0), axis=1, keepdims=True)  # [C, 1]
-        kd = dec.select_rows(k_ref, j) * d  # [C, K]
-        dQs = dQs + pq * kd
-        dEs = dEs + pk * kd
-        mq = pq * q * d  # [C, K] contributions to κ rows j / c + j
-        mk = pk * E * d  # [C, K]
-        for m, name in ((mq, "q"), (mk, "e")):
-            top = jnp.sum(jnp.where(dec.top, m, 0.0), axis=0, keepdims=True)  # [1, K] -> row j
-            bot = jnp.sum(jnp.where(dec.top, 0.0, m), axis=0, keepdims=True)  # [1, K] -> row c+j
-            upd = jnp.where(rows == j, top, 0.0) + jnp.where(rows == c + j, bot, 0.0)  # [C, K]
-            if name == "q":
-                dK1 = dK1 + upd
-            else:
-                dK2 = dK2 + upd
-        return dQs, dEs, dK1, dK2
-
-    return lax.fori_loop(0, c, body, (dQs, dEs, dK1, dK2))
+def score_backward(
+    P_qk: jax.Array,
+    P_kk: jax.Array,
+    q: jax.Array,
+    k: jax.Array,
+    E: jax.Array,
+    levels: list[Level],
+    precision: MatmulPrecision,
+) -> ScoreGrads:
+    """B7 by levels: ``rho(P, Y)_r = sum_(s<r) P_rs Y_s exp(Γ_r - Γ_s)`` and
+    ``kappa(P, X)_s = sum_(r>s) P_rs X_r exp(Γ_r - Γ_s)``, two stacked products per level."""
+    U, C, K = k.shape
+    dQ_s = jnp.zeros((U, C, K), F32)
+    dE_s = jnp.zeros((U, C, K), F32)
+    dK_s = jnp.zeros((U, C, K), F32)
+    for level, lv in enumerate(levels):
+        here = level_pairs(C, level)  # [C, C]
+        P = jnp.concatenate([jnp.where(here, P_qk, 0.0), jnp.where(here, P_kk, 0.0)], axis=1)
+        row_f, col_f = lv.row_factor, lv.col_factor  # [U, C, K]
+        rho = mm(P, k * col_f, precision)  # [U, 2C, K]
+        dQ_s = dQ_s + row_f * rho[:, :C]
+        dE_s = dE_s + row_f * rho[:, C:]
+        X = jnp.concatenate([q * row_f, E * row_f], axis=1)  # [U, 2C, K]
+        dK_s = dK_s + col_f * mm_tn(P, X, precision)  # [U, C, K]
+    eye = iota((C, C), 0) == iota((C, C), 1)
+    diag_qk = jnp.sum(jnp.where(eye, P_qk, 0.0), axis=2, keepdims=True)  # [U, C, 1]
+    return ScoreGrads(dQ_s, dE_s, dK_s, diag_qk)

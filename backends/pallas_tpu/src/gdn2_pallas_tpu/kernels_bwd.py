@@ -1,193 +1,201 @@
-"""Backward: one fused ``pallas_call`` (ALGORITHM.md section 6, Pass 1 + B1-B10 per chunk).
+"""The backward ``pallas_call``: the reverse state pass (Pass 1) and the chunk-parallel
+gradients (B1-B10), fused.
 
-Grid ``(B, H / Hb, N)`` with the chunk axis last, "arbitrary", visited in reverse (chunk
-``n = N - 1 - i``). The gradient of the state leaving the chunk, dS [K, V] float32, lives in VMEM
-scratch ([Hb, K, V], Hb heads per step, layout.py): each step does, head by head, the reverse state
-step (Pass 1) and the chunk-parallel gradients (B1-B10) of the same chunk, so dS never goes to
-HBM.
+Grid ``(B, H / hb, n_steps)``, the step axis last, "arbitrary", visited last step first; the
+gradient of the state leaving the step, dS ``[hb, K, V]`` float32, is carried in VMEM scratch.
+A step recomputes phase A of its ``U = hb nc`` units from the inputs and the saved ``T``, ``A_qk``
+(no score or inverse products), the entry states of its chunks from the saved step entry state
+(``nc - 1`` updates), then runs the reverse state pass over its ``nc`` chunks and the
+chunk-parallel gradients of all units at once.
 
-Entry states: the forward saved the state entering every ``ckpt``-th chunk. At the first visited
-(last) chunk of a superchunk the kernel recomputes the other ``ckpt - 1`` entry states into a VMEM
-scratch ``[Hb, ckpt, K, V]`` from the superchunk's k, v, w, b, g tiles (a second, ``ckpt * C``-row
-BlockSpec of the same arrays, fetched once per superchunk). Phase A of the chunk is recomputed.
-
-VMEM per step (``config.vmem_bytes_bwd``; blocks x2 incl. the superchunk tiles + scratch + live
-intermediates): float32, K = V = 128: C=32 (ckpt 4) 2.5 MiB, C=64 (ckpt 2) 3.4 MiB, C=128 5.1 MiB;
-K=128, V=256, C=128 6.9 MiB; K = V = 256, C=128 10.9 MiB (the largest supported). Hb = 8:
-K = V = 64, C=64 7.6 MiB; K = V = 128, C=32 bfloat16 12.0 MiB; K = V = 128, C=64 float32 would
-need ~17 MiB, so that plan uses Hb = 1. All under the 16 MiB v5e default scoped limit.
+dg has no exact self-pair terms (factor exp(0)): the diagonal of ``A_qk`` carries no gradient to Γ,
+and ``K̃`` enters dg through an exclusive forward cumsum. Adding such terms to dΓ only to cancel
+them through the reverse cumsum leaves rounding noise larger than the true dg under strong decay.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from gdn2_pallas_tpu import blocks
 from gdn2_pallas_tpu import chunk_math as cm
-from gdn2_pallas_tpu.config import Plan, cost_bwd
-from gdn2_pallas_tpu.kernels_fwd import interpret_arg
-from gdn2_pallas_tpu.layout import Tile, for_each_head, staging_shapes, state_spec, token_spec
+from gdn2_pallas_tpu.cost import cost_backward
+from gdn2_pallas_tpu.matmul import MatmulPrecision, mm, mm_nt, mm_tn
+from gdn2_pallas_tpu.plan import Plan
 
 F32 = jnp.float32
+GRAD_NAMES = ("dq", "dk", "dv", "dw", "db", "dg")
 
 
-def _bwd_kernel(*refs, plan: Plan):
-    ck, C, c = plan.ckpt, plan.C, plan.c
-    q_ref, k_ref, v_ref, w_ref, b_ref, g_ref, do_ref, st_ref, dhT_ref, *rest = refs
-    sup = [rest.pop(0) for _ in range(5)] if ck > 1 else []  # k, v, w, b, g superchunk tiles
-    (dq_ref, dk_ref, dv_ref, dw_ref, db_ref, dg_ref, dh0_ref,
-     dS_ref, S_scr, gam_ref, k_scr, *stage) = rest  # fmt: skip
-    stage = stage or [None] * 13
-    i = pl.program_id(2)
+@dataclasses.dataclass(frozen=True)
+class BackwardRefs:
+    """The kernel's refs by role."""
+
+    q: tuple  # hb x [nc C, K]
+    k: tuple
+    v: tuple  # hb x [nc C, V]
+    w: tuple
+    b: tuple
+    g: tuple
+    dO: tuple  # hb x [nc C, V]
+    TA: object  # [U / pack, C, pack C] saved A_qk (lower, diagonal), T^T (upper), lane-packed
+    state_in: object  # [hb, K, V] f32 saved state entering the step
+    dh_final: object  # [hb, K, V] f32
+    grads_hbm: tuple  # dq, dk, dv, dw, db, dg: [B, H, t_pad, d] in HBM
+    dh0: object  # [hb, K, V] f32
+    # Scratch.
+    dS: object  # [hb, K, V] f32 gradient of the state leaving the step
+    stages: tuple  # 6 x [hb, nc C, d] gradient staging for the DMAs
+    sems: object  # DMA semaphores (6, hb)
+
+    @classmethod
+    def unpack(cls, refs, plan: Plan) -> BackwardRefs:
+        hb = plan.hb
+        heads = [tuple(refs[i * hb : (i + 1) * hb]) for i in range(7)]
+        rest = list(refs[7 * hb :])
+        TA, state_in, dh_final = rest[:3]
+        grads, dh0, dS = tuple(rest[3:9]), rest[9], rest[10]
+        stages, sems = tuple(rest[11:17]), rest[17]
+        return cls(*heads, TA, state_in, dh_final, grads, dh0, dS, stages, sems)
+
+
+def _backward_kernel(*refs, plan: Plan):
+    r = BackwardRefs.unpack(refs, plan)
+    batch, head_group, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     n_steps = pl.num_programs(2)
-    n = n_steps - 1 - i  # chunk index (reverse order)
-    j_in = lax.rem(n, ck)  # chunk index inside its superchunk
+    step = n_steps - 1 - i
+    C, K, V, p, scale = plan.C, plan.dk, plan.dv, plan.precisions, plan.scale
+    chunk = functools.partial(blocks.chunk_of, plan=plan)
 
     @pl.when(i == 0)
     def _():
-        dS_ref[...] = dhT_ref[...]
+        r.dS[...] = r.dh_final[...]
 
-    # ---- entry states of the superchunk (once per superchunk, at its last chunk) --------------
-    @pl.when(j_in == ck - 1)
-    def _():
-        S_scr[:, 0] = st_ref[...]  # [Hb, K, V]
-        if ck > 1:
-
-            def advance(j, carry):
-                @pl.when(j < j_in)
-                def _():
-                    rows = pl.ds(pl.multiple_of(j * C, C), C)
-                    # k, v, w, b, g rows of chunk j of the superchunk (staged like the chunk tiles)
-                    tiles = [
-                        Tile(plan, r, stage[m], rows=rows)
-                        for m, r in zip((1, 2, 3, 4, 5), sup, strict=True)
-                    ]
-                    for t in tiles:
-                        t.load_stage()
-
-                    def one_head(h):
-                        kk, vv, ww, bb, gg = (t.read(h) for t in tiles)  # [C, K] / [C, V]
-                        L = cm.chunk_local(
-                            None, kk, vv, ww, bb, gg, c=c, mb=plan.mb, eps=plan.wy_eps,
-                            gam_ref=gam_ref, k_ref=k_scr,
-                        )  # fmt: skip
-                        S = S_scr[h, j]  # [K, V]
-                        S_scr[h, j + 1] = cm.state_update(L, S, L.U - cm.mm(L.Y, S))
-
-                    for_each_head(plan, one_head)
-
-                return carry
-
-            lax.fori_loop(0, ck - 1, advance, 0)
-
-    ins = [
-        Tile(plan, r, stage[m])
-        for m, r in enumerate((q_ref, k_ref, v_ref, w_ref, b_ref, g_ref, do_ref))
-    ]
-    for t in ins:
-        t.load_stage()
-    dq_t, dk_t, dv_t, dw_t, db_t, dg_t = (
-        Tile(plan, r, stage[7 + m])
-        for m, r in enumerate((dq_ref, dk_ref, dv_ref, dw_ref, db_ref, dg_ref))
-    )
-    scale = plan.scale
+    q, k, b = (blocks.load_units(x, K, plan) for x in (r.q, r.k, r.b))  # [U, C, K]
+    g_in = blocks.load_units(r.g, K, plan)  # [U, C, K]
+    g = cm.clamp_log_decay(g_in)
+    v, w, dO = (blocks.load_units(x, V, plan) for x in (r.v, r.w, r.dO))  # [U, C, V]
+    L = cm.chunk_local(q, k, v, w, b, g)
+    TA = blocks.unpack_lanes(r.TA[...].astype(F32), plan)  # [U, C, C]
     rr, ss = cm.iota((C, C), 0), cm.iota((C, C), 1)
+    A_qk = jnp.where(ss <= rr, TA, 0.0)  # [U, C, C]
+    T_t = jnp.where(ss > rr, TA, jnp.where(ss == rr, 1.0 / (1.0 + plan.wy_eps), 0.0))  # T^T
+    YU = mm_tn(T_t, jnp.concatenate([L.E_bar, L.Z], axis=2), p.wy)  # [U, C, K + V] F6: T [Ē | Z]
+    Y, U = YU[:, :, :K], YU[:, :, K:]
 
-    def one_head(h):
-        q, k, v, w, b, g, dO = (t.read(h) for t in ins)  # [C, K] / [C, V] f32
-        S = S_scr[h, j_in]  # [K, V] f32 state entering chunk n
-        dS = dS_ref[h]  # [K, V] f32 gradient of the state leaving chunk n
-        L = cm.chunk_local(
-            q, k, v, w, b, g, c=c, mb=plan.mb, eps=plan.wy_eps, gam_ref=gam_ref, k_ref=k_scr
-        )
-        R = L.U - cm.mm(L.Y, S)  # [C, V] F7
-
-        # ---- Pass 1: reverse state step -----------------------------------------------------
-        dR = scale * cm.mm_tn(L.A_qk, dO) + cm.mm(L.Kt, dS)  # [C, V]
-        gamma_c_col = cm.row_to_col(L.gamma_c)  # [K, 1]
-        dS_ref[h] = gamma_c_col * dS + scale * cm.mm_tn(L.Qt, dO) - cm.mm_tn(L.Y, dR)  # [K, V]
-
-        # ---- Pass 2: chunk-parallel gradients -----------------------------------------------
-        P_qk = scale * jnp.where(ss <= rr, cm.mm_nt(dO, R), 0.0)  # [C, C] B1 dA_qk
-        dQt = scale * cm.mm_nt(dO, S)  # [C, K] B2 dQ̃
-        dY = -cm.mm_nt(dR, S)  # [C, K]
-        dKt = cm.mm_nt(R, dS)  # [C, K] B3 dK̃
-        dgamma_c = cm.col_to_row(jnp.sum(S * dS, axis=1, keepdims=True))  # [1, K] dγ_C
-        dEbar = cm.mm_tn(L.T, dY)  # [C, K] B4 dĒ
-        dZ = cm.mm_tn(L.T, dR)  # [C, V] dZ (dU = dR)
-        P_kk = -jnp.where(ss < rr, cm.mm_nt(dEbar, L.Y) + cm.mm_nt(dZ, L.U), 0.0)  # [C, C] B5
-        dv_t.write(h, dZ * w)  # [C, V] B6
-        dw_t.write(h, dZ * v)
-
-        dec = cm.DecayFactors(L.gamma_cum, c, gam_ref)  # gam_ref / k_scr hold this chunk's rows
-        dQs, dEs, dK1, dK2 = cm.score_backward(P_qk, P_kk, q, k, L.E, dec, k_scr)  # [C, K] B7
-        dE = dEbar * L.eG + dEs  # [C, K] B8
-        dq_t.write(h, dQt * L.eG + dQs)
-        db_t.write(h, dE * k)
-        dk_t.write(h, dE * b + dK1 + dK2 + dKt * L.eTail)
-        dKtKt = dKt * L.Kt  # [C, K]
-        dGam = (
-            dQt * L.Qt + dEbar * L.Ebar - dKtKt + q * dQs - k * dK1 + L.E * dEs - k * dK2
-        )  # [C, K] B9
-        last = jnp.sum(dKtKt, axis=0, keepdims=True) + dgamma_c * L.gamma_c  # [1, K]
-        dGam = dGam + jnp.where(cm.iota((C, 1), 0) == C - 1, last, 0.0)
-        upper_incl = (ss >= rr).astype(F32)  # [C, C]
-        dg_t.write(h, cm.mm(upper_incl, dGam))  # [C, K] B10 reverse cumsum
-
-    for_each_head(plan, one_head)
-    for t in (dq_t, dk_t, dv_t, dw_t, db_t, dg_t):
-        t.flush()
+    # Pass 0: entry states and residual writes of the step's chunks.
+    S = r.state_in[...]  # [hb, K, V]
+    S_in, R_all = [], []
+    for j in range(plan.nc):
+        R = chunk(U, j) - mm(chunk(Y, j), S, p.state)  # [hb, C, V] F7
+        S_in.append(S)
+        R_all.append(R)
+        if j < plan.nc - 1:
+            S = chunk(L.decay_C_col, j) * S + mm_tn(chunk(L.K_tilde, j), R, p.state)  # F9
+    # Pass 1: the reverse state pass.
+    dS = r.dS[...]  # [hb, K, V] w.r.t. the state leaving the step
+    dS_out, dR_all = [None] * plan.nc, [None] * plan.nc
+    for j in reversed(range(plan.nc)):
+        dO_j = chunk(dO, j)  # [hb, C, V]
+        dR = scale * mm_tn(chunk(A_qk, j), dO_j, p.state) + mm(
+            chunk(L.K_tilde, j), dS, p.state
+        )  # [hb, C, V]
+        dS_out[j], dR_all[j] = dS, dR
+        dS = (
+            chunk(L.decay_C_col, j) * dS
+            + scale * mm_tn(chunk(L.Q_tilde, j), dO_j, p.state)
+            - mm_tn(chunk(Y, j), dR, p.state)
+        )  # [hb, K, V] w.r.t. the state entering chunk j
+    r.dS[...] = dS
 
     @pl.when(i == n_steps - 1)
     def _():
-        dh0_ref[...] = dS_ref[...]
+        r.dh0[...] = dS
+
+    # Pass 2: chunk-parallel gradients of all units.
+    S = blocks.stack_chunks(S_in, plan)  # [U, K, V] state entering the chunk
+    R = blocks.stack_chunks(R_all, plan)  # [U, C, V]
+    dS = blocks.stack_chunks(dS_out, plan)  # [U, K, V] w.r.t. the state leaving the chunk
+    dR = blocks.stack_chunks(dR_all, plan)  # [U, C, V]
+    P_qk = scale * jnp.where(ss <= rr, mm_nt(dO, R, p.grads), 0.0)  # [U, C, C] B1
+    dQ_tilde = scale * mm_nt(dO, S, p.grads)  # [U, C, K] B2
+    dY = -mm_nt(dR, S, p.grads)  # [U, C, K]
+    dK_tilde = mm_nt(R, dS, p.grads)  # [U, C, K] B3
+    ones = jnp.ones((plan.units, 1, V), F32)
+    d_decay_C = mm_nt(ones, S * dS, MatmulPrecision.F32)  # [U, 1, K] row sums of S ⊙ dS
+    dEZ = mm(T_t, jnp.concatenate([dY, dR], axis=2), p.grads)  # [U, C, K + V] B4: T^T [dY | dU]
+    dE_bar, dZ = dEZ[:, :, :K], dEZ[:, :, K:]
+    P_kk = -jnp.where(ss < rr, mm_nt(dEZ, YU, p.grads), 0.0)  # [U, C, C] B5
+    sg = cm.score_backward(P_qk, P_kk, q, k, L.E, L.levels, p.score_grads)  # B7
+
+    dE = dE_bar * L.e_gamma + sg.dE_s  # [U, C, K] B8
+    dq = dQ_tilde * L.e_gamma + sg.dQ_s + sg.diag_qk * k
+    db = dE * k
+    dk = dE * b + sg.dK_s + sg.diag_qk * q + dK_tilde * L.e_tail
+    dKK = dK_tilde * L.K_tilde  # [U, C, K]
+    d_gamma = (
+        dQ_tilde * L.Q_tilde + dE_bar * L.E_bar + q * sg.dQ_s + L.E * sg.dE_s - k * sg.dK_s
+    )  # [U, C, K] B9 without the K̃ terms
+    last_row = cm.iota(d_gamma.shape, 1) == C - 1
+    d_gamma = d_gamma + jnp.where(last_row, d_decay_C * L.decay_C, 0.0)  # γ_C = exp(Γ_C)
+    # B10. K̃_r = exp(g_(r+1) + ... + g_C) k_r, so dK̃_r ⊙ K̃_r reaches dg_t for t > r only: an
+    # exclusive forward cumsum, rather than "-dK̃⊙K̃ at row r, their sum at row C" cancelling
+    # through the reverse cumsum (K̃ of the last real token has factor exp(0), also when the
+    # chunk ends in padding).
+    rows = cm.iota(dKK.shape, 1)
+    dKK_before = cm.cumsum_rows(jnp.where(rows >= 1, cm.roll_rows(dKK, 1), 0.0))  # sum_(r<t)
+    dg = cm.cumsum_rows(d_gamma, reverse=True) + dKK_before
+    dg = jnp.where(g_in >= cm.G_FLOOR, dg, 0.0)  # the clamp's gradient
+    grads = (dq, dk, dZ * w, dZ * v, db, dg)  # B6: dv = dZ ⊙ w, dw = dZ ⊙ v
+    copies = []
+    for x, stage, hbm, m in zip(grads, r.stages, r.grads_hbm, range(6), strict=True):
+        copies += blocks.write_heads(
+            blocks.per_head(x, plan), stage, hbm, r.sems.at[m], plan, batch, head_group, step
+        )
+    for copy in copies:
+        copy.wait()
 
 
-def backward_call(q, k, v, w, b, g, do, states, dhT, *, plan: Plan):
-    """Kernel-layout inputs and dO, saved states, dh_final -> (dq, dk, dv, dw, db, dg, dh0)."""
-    B, H, K, V, C, ck, hb = plan.batch, plan.heads, plan.dk, plan.dv, plan.C, plan.ckpt, plan.hb
-    N = plan.n_chunks
-    chunk = lambda i: N - 1 - i  # noqa: E731
-    superchunk = lambda i: lax.div(N - 1 - i, ck)  # noqa: E731
-    key_spec = token_spec(plan, K, C, chunk)
-    val_spec = token_spec(plan, V, C, chunk)
-    st_in = pl.BlockSpec((None, hb, None, K, V), lambda b_, h_, i: (b_, h_, superchunk(i), 0, 0))
-    in_specs = [key_spec, key_spec, val_spec, val_spec, key_spec, key_spec, val_spec,
-                st_in, state_spec(plan)]  # fmt: skip
-    args = [q, k, v, w, b, g, do, states, dhT]
-    if ck > 1:
-        ks = token_spec(plan, K, ck * C, superchunk)
-        vs = token_spec(plan, V, ck * C, superchunk)
-        in_specs += [ks, vs, vs, ks, ks]
-        args += [k, v, w, b, g]
-    out_specs = [key_spec, key_spec, val_spec, val_spec, key_spec, key_spec, state_spec(plan)]
+def backward_call(q, k, v, w, b, g, dO, TA, states, dh_final, *, plan: Plan):
+    """Kernel-layout inputs and dO, residuals, dh_final -> (dq, dk, dv, dw, db, dg, dh0)."""
+    B, H, K, V, hb = plan.batch, plan.heads, plan.dk, plan.dv, plan.hb
+    step_of = blocks.reverse_step(plan.n_steps)
+    keys, vals = blocks.token_specs(plan, K, step_of), blocks.token_specs(plan, V, step_of)
+    state = blocks.state_spec(plan)
+    in_specs = [
+        *keys, *keys, *vals, *vals, *keys, *keys, *vals,  # q k v w b g dO
+        blocks.residual_spec(plan, plan.residual_block, step_of),  # T^T | A_qk
+        blocks.residual_spec(plan, (hb, K, V), step_of),  # step entry states
+        state,  # dh_final
+    ]  # fmt: skip
+    dims = (K, K, V, V, K, K)
     out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, w, b, g)]
-    out_shape.append(jax.ShapeDtypeStruct((B, H, K, V), F32))
+    out_shape.append(jax.ShapeDtypeStruct((B, H, K, V), F32))  # dh0
     scratch = [
         pltpu.VMEM((hb, K, V), F32),  # dS
-        pltpu.VMEM((hb, ck, K, V), F32),  # entry states of the superchunk's chunks
-        pltpu.VMEM((C, K), F32),  # gamma_cum rows
-        pltpu.VMEM((C, K), F32),  # k rows
-        # float32 staging ("bthd", bf16): q, k, v, w, b, g, dO in; dq, dk, dv, dw, db, dg out
-        *staging_shapes(plan, (K, K, V, V, K, K, V, K, K, V, V, K, K)),
+        *[pltpu.VMEM((hb, plan.step_len, d), q.dtype) for d in dims],  # gradient staging
+        pltpu.SemaphoreType.DMA((6, hb)),
     ]
-    dq, dk, dv, dw, db, dg, dh0 = pl.pallas_call(
-        functools.partial(_bwd_kernel, plan=plan),
+    heads = lambda x: [x] * hb  # noqa: E731
+    args = [*heads(q), *heads(k), *heads(v), *heads(w), *heads(b), *heads(g), *heads(dO)]
+    return pl.pallas_call(
+        functools.partial(_backward_kernel, plan=plan),
         out_shape=out_shape,
-        grid=(B, H // hb, N),
+        grid=plan.grid(),
         in_specs=in_specs,
-        out_specs=out_specs,
+        out_specs=[blocks.hbm_spec()] * 6 + [state],
         scratch_shapes=scratch,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary")
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=plan.vmem_limit_bytes,
         ),
-        cost_estimate=pl.CostEstimate(**cost_bwd(plan)),
-        interpret=interpret_arg(plan),
-        name="gdn2_bwd_fused",
-    )(*args)
-    return dq, dk, dv, dw, db, dg, dh0
+        cost_estimate=pl.CostEstimate(**cost_backward(plan)),
+        interpret=blocks.interpret_params(plan),
+        name="gdn2_bwd",
+    )(*args, TA, states, dh_final)

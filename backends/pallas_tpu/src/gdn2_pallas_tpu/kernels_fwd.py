@@ -1,123 +1,159 @@
-"""Forward: one fused ``pallas_call`` (phase A F1-F6 and the state pass F7-F9 per chunk).
+"""The forward ``pallas_call``: phase A (F1-F6) and the state pass (F7-F9), fused.
 
-Grid ``(B, H / Hb, N)``; the chunk axis N is last and "arbitrary" (sequential), the others
-"parallel". Per step: the tiles of q, k, v, w, b, g of chunk n for Hb heads (Hb = 1 or 8,
-layout.py), processed head by head; the states S [Hb, K, V] float32 live in VMEM scratch across
-the chunk axis. Outputs: the o tile, h_final at the last chunk and, when ``save_states``, the
-state entering every ``plan.ckpt``-th chunk (the backward residual).
-
-VMEM per step (``config.vmem_bytes_fwd``; blocks x2 + scratch + live intermediates), Hb = 1:
-float32, K = V = 128: C=32 1.1 MiB, C=64 1.7 MiB, C=128 3.1 MiB; K=128, V=256, C=128 4.3 MiB;
-K = V = 256, C=128 6.8 MiB (bfloat16 ~15% less). Hb = 8, K = V = 128: C=32 5.7 MiB, C=64 7.8 MiB
-(bfloat16 including its float32 staging). All under the 16 MiB v5e default scoped limit; a plan
-whose forward or backward would not fit the 14 MiB budget with Hb = 8 uses Hb = 1 (config.py).
+Grid ``(B, H / hb, n_steps)``, the step axis last and "arbitrary" (the state is carried in VMEM
+scratch from step to step), the others "parallel". A step takes ``nc`` chunks of ``hb`` heads (see
+plan.py): phase A for all ``U = hb nc`` units at once, then ``nc`` state updates per head. The
+training forward also writes the backward's residuals: ``T`` and ``A_qk`` of every chunk (packed into
+one matrix), and the state entering every step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from gdn2_pallas_tpu import blocks
 from gdn2_pallas_tpu import chunk_math as cm
-from gdn2_pallas_tpu.config import Plan, cost_fwd
-from gdn2_pallas_tpu.layout import Tile, for_each_head, staging_shapes, state_spec, token_spec
+from gdn2_pallas_tpu.cost import cost_forward
+from gdn2_pallas_tpu.matmul import mm, mm_tn
+from gdn2_pallas_tpu.plan import Plan
 
 F32 = jnp.float32
 
 
-def interpret_arg(plan: Plan):
-    return pltpu.InterpretParams() if plan.interpret else False
+@dataclasses.dataclass(frozen=True)
+class ForwardRefs:
+    """The kernel's refs by role (each token input: one ``(nc C, d)`` ref per head)."""
+
+    q: tuple  # hb x [nc C, K]
+    k: tuple  # hb x [nc C, K]
+    v: tuple  # hb x [nc C, V]
+    w: tuple  # hb x [nc C, V]
+    b: tuple  # hb x [nc C, K]
+    g: tuple  # hb x [nc C, K]
+    h0: object  # [hb, K, V] f32
+    o_hbm: object  # [B, H, t_pad, V] in HBM
+    h_final: object  # [hb, K, V] f32
+    TA_out: object | None  # [U / pack, C, pack C] residual: A_qk (lower), T^T (upper), lane-packed
+    state_out: object | None  # [hb, K, V] f32: the state entering this step
+    # Scratch.
+    S: object  # [hb, K, V] f32 the carried state
+    o_stage: object  # [hb, nc C, V] output staging for the DMAs
+    o_sems: object  # DMA semaphores (hb,)
+
+    @classmethod
+    def unpack(cls, refs, plan: Plan, save: bool) -> ForwardRefs:
+        hb = plan.hb
+        heads = [tuple(refs[i * hb : (i + 1) * hb]) for i in range(6)]
+        rest = list(refs[6 * hb :])
+        h0, o_hbm, h_final = rest[:3]
+        saved = rest[3:5] if save else [None, None]
+        S, o_stage, o_sems = rest[5:] if save else rest[3:]
+        return cls(*heads, h0, o_hbm, h_final, *saved, S, o_stage, o_sems)
 
 
-def _fwd_kernel(*refs, plan: Plan, save_states: bool):
-    q_ref, k_ref, v_ref, w_ref, b_ref, g_ref, h0_ref, o_ref, hT_ref, *rest = refs
-    st_ref = rest.pop(0) if save_states else None
-    S_ref, gam_ref, k_scr, *stage = rest
-    stage = stage or [None] * 7
-    n = pl.program_id(2)
-    n_last = pl.num_programs(2) - 1
+def pack_residual(T: jax.Array, A_qk: jax.Array) -> jax.Array:
+    """One [U, C, C] matrix for both: ``A_qk`` (lower, diagonal included) and the strictly upper
+    ``T^T`` (T's diagonal is the constant ``1 / (1 + wy_eps)``). The backward multiplies by ``T``
+    and ``T^T``, both of which read ``T^T`` directly (``mm_tn`` / ``mm``)."""
+    C = T.shape[-1]
+    upper = cm.iota((C, C), 1) > cm.iota((C, C), 0)
+    return jnp.where(upper, jnp.swapaxes(T, 1, 2), A_qk)
 
-    @pl.when(n == 0)
+
+def _forward_kernel(*refs, plan: Plan, save: bool):
+    r = ForwardRefs.unpack(refs, plan, save)
+    batch, head_group, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    K, V, p = plan.dk, plan.dv, plan.precisions
+
+    @pl.when(step == 0)
     def _():
-        S_ref[...] = h0_ref[...]
+        r.S[...] = r.h0[...]
 
-    if save_states:
+    if save:
+        r.state_out[...] = r.S[...]
 
-        @pl.when(lax.rem(n, plan.ckpt) == 0)
-        def _():
-            st_ref[...] = S_ref[...]  # [Hb, K, V] states entering chunk n
+    q, k, b = (blocks.load_units(x, K, plan) for x in (r.q, r.k, r.b))  # [U, C, K]
+    g = cm.clamp_log_decay(blocks.load_units(r.g, K, plan))  # [U, C, K]
+    v, w = (blocks.load_units(x, V, plan) for x in (r.v, r.w))  # [U, C, V]
+    L = cm.chunk_local(q, k, v, w, b, g)
+    A_kk, A_qk = cm.scores(L.E, q, k, L.levels, p.scores)  # [U, C, C] F4
+    T = cm.wy_inverse(A_kk, plan.wy_eps, p.inverse)  # [U, C, C] F5
+    if save:
+        TA = blocks.pack_lanes(pack_residual(T, A_qk), plan)  # [U / pack, C, pack C]
+        r.TA_out[...] = TA.astype(r.TA_out.dtype)
+    YU = mm(T, jnp.concatenate([L.E_bar, L.Z], axis=2), p.wy)  # [U, C, K + V] F6
+    Y, U = YU[:, :, :K], YU[:, :, K:]
 
-    ins = [
-        Tile(plan, r, stage[m]) for m, r in enumerate((q_ref, k_ref, v_ref, w_ref, b_ref, g_ref))
-    ]
-    for t in ins:
-        t.load_stage()
-    o_tile = Tile(plan, o_ref, stage[6])
+    outs = []
+    for j in range(plan.nc):  # the state pass, all heads of the step at once
+        S = r.S[...]  # [hb, K, V] entering chunk j
+        R = blocks.chunk_of(U, j, plan) - mm(
+            blocks.chunk_of(Y, j, plan), S, p.state
+        )  # [hb, C, V] F7
+        O = mm(blocks.chunk_of(L.Q_tilde, j, plan), S, p.state) + mm(
+            blocks.chunk_of(A_qk, j, plan), R, p.state
+        )  # [hb, C, V] F8
+        outs.append(plan.scale * O)
+        r.S[...] = blocks.chunk_of(L.decay_C_col, j, plan) * S + mm_tn(
+            blocks.chunk_of(L.K_tilde, j, plan), R, p.state
+        )  # [hb, K, V] F9
+    o = blocks.per_head(blocks.stack_chunks(outs, plan), plan)  # [hb, nc C, V]
+    copies = blocks.write_heads(o, r.o_stage, r.o_hbm, r.o_sems, plan, batch, head_group, step)
 
-    def one_head(h):
-        q, k, v, w, b, g = (t.read(h) for t in ins)  # [C, K] x2, [C, V] x2, [C, K] x2 f32
-        S = S_ref[h]  # [K, V] f32 state entering chunk n
-        L = cm.chunk_local(
-            q, k, v, w, b, g, c=plan.c, mb=plan.mb, eps=plan.wy_eps, gam_ref=gam_ref, k_ref=k_scr
-        )
-        R = L.U - cm.mm(L.Y, S)  # [C, V] F7
-        O = plan.scale * (cm.mm(L.Qt, S) + cm.mm(L.A_qk, R))  # [C, V] F8
-        o_tile.write(h, O)
-        S_ref[h] = cm.state_update(L, S, R)  # [K, V] F9
-
-    for_each_head(plan, one_head)
-    o_tile.flush()
-
-    @pl.when(n == n_last)
+    @pl.when(step == pl.num_programs(2) - 1)
     def _():
-        hT_ref[...] = S_ref[...]
+        r.h_final[...] = r.S[...]
+
+    for copy in copies:
+        copy.wait()
 
 
-def forward_call(q, k, v, w, b, g, h0, *, plan: Plan, save_states: bool):
-    """Kernel-layout inputs (layout.py), h0 (B, H, K, V) f32 -> (o, h_final, states | None)."""
-    B, H, K, V, C, hb = plan.batch, plan.heads, plan.dk, plan.dv, plan.C, plan.hb
-    N = plan.n_chunks
-    chunk = lambda i: i  # noqa: E731
-    key_spec = token_spec(plan, K, C, chunk)
-    val_spec = token_spec(plan, V, C, chunk)
-    in_specs = [key_spec, key_spec, val_spec, val_spec, key_spec, key_spec, state_spec(plan)]
-    out_specs = [val_spec, state_spec(plan)]
+def forward_call(q, k, v, w, b, g, h0, *, plan: Plan, save: bool):
+    """Kernel-layout inputs ``(B, H, t_pad, d)`` and h0 ``(B, H, K, V)`` f32 ->
+    ``(o, h_final)``, plus ``(T, A_qk, states)`` residuals when ``save``."""
+    B, H, K, V, hb = plan.batch, plan.heads, plan.dk, plan.dv, plan.hb
+    step_of = blocks.forward_step
+    keys, vals = blocks.token_specs(plan, K, step_of), blocks.token_specs(plan, V, step_of)
+    state = blocks.state_spec(plan)
     out_shape = [
-        jax.ShapeDtypeStruct(v.shape, v.dtype),  # o
+        jax.ShapeDtypeStruct((B, H, plan.t_pad, V), v.dtype),  # o
         jax.ShapeDtypeStruct((B, H, K, V), F32),  # h_final
     ]
-    if save_states:
-        out_specs.append(
-            pl.BlockSpec(
-                (None, hb, None, K, V), lambda b_, h_, i: (b_, h_, lax.div(i, plan.ckpt), 0, 0)
-            )
-        )
-        out_shape.append(jax.ShapeDtypeStruct((B, H, plan.n_super, K, V), F32))
+    out_specs = [blocks.hbm_spec(), state]
+    if save:
+        res = (B, plan.head_groups, plan.n_steps)
+        out_shape += [
+            jax.ShapeDtypeStruct((*res, *plan.residual_block), plan.residual_dtype),  # T^T | A_qk
+            jax.ShapeDtypeStruct((*res, hb, K, V), F32),  # step entry states
+        ]
+        out_specs += [
+            blocks.residual_spec(plan, plan.residual_block, step_of),
+            blocks.residual_spec(plan, (hb, K, V), step_of),
+        ]
     scratch = [
         pltpu.VMEM((hb, K, V), F32),  # S
-        pltpu.VMEM((C, K), F32),  # gamma_cum rows
-        pltpu.VMEM((C, K), F32),  # k rows
-        *staging_shapes(plan, (K, K, V, V, K, K, V)),  # q, k, v, w, b, g, o ("bthd", bf16)
+        pltpu.VMEM((hb, plan.step_len, V), v.dtype),  # o staging
+        pltpu.SemaphoreType.DMA((hb,)),
     ]
-    outs = pl.pallas_call(
-        functools.partial(_fwd_kernel, plan=plan, save_states=save_states),
+    heads = lambda x: [x] * hb  # noqa: E731 - each head's BlockSpec reads the same array
+    return pl.pallas_call(
+        functools.partial(_forward_kernel, plan=plan, save=save),
         out_shape=out_shape,
-        grid=(B, H // hb, N),
-        in_specs=in_specs,
+        grid=plan.grid(),
+        in_specs=[*keys, *keys, *vals, *vals, *keys, *keys, state],
         out_specs=out_specs,
         scratch_shapes=scratch,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary")
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=plan.vmem_limit_bytes,
         ),
-        cost_estimate=pl.CostEstimate(**cost_fwd(plan, save_states)),
-        interpret=interpret_arg(plan),
-        name="gdn2_fwd_fused",
-    )(q, k, v, w, b, g, h0)
-    if save_states:
-        return outs[0], outs[1], outs[2]
-    return outs[0], outs[1], None
+        cost_estimate=pl.CostEstimate(**cost_forward(plan, save)),
+        interpret=blocks.interpret_params(plan),
+        name="gdn2_fwd_train" if save else "gdn2_fwd",
+    )(*heads(q), *heads(k), *heads(v), *heads(w), *heads(b), *heads(g), h0)

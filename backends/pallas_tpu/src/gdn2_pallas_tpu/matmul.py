@@ -1,0 +1,93 @@
+"""Matrix products inside the kernels, at an explicit MXU precision.
+
+Every product runs on a batch of units (axis 0: one unit is one chunk of one head) with float32
+accumulation. The precision is spelled out in the operands rather than left to a compiler flag, so
+that TPU interpret mode on a CPU computes what the TPU computes:
+
+- ``BF16``: both operands rounded to bfloat16, one MXU pass. Used for bfloat16 inputs.
+- ``BF16X3``: each float32 operand split into a bfloat16 high part and a bfloat16 remainder;
+  ``hi*hi + hi*lo + lo*hi`` in three MXU passes (the ``lo*lo`` term, below float32 rounding of
+  the result for these magnitudes, is dropped). Used for float32 inputs. On a TPU this is Mosaic's
+  own ``Precision.HIGH`` (``bf16x3``, 13% faster than the same passes written out: static cycle
+  estimate of the float32 forward); in TPU interpret mode the passes are written out
+  (``BF16X3_SPLIT``), so that a CPU computes the TPU's rounding rather than exact float32.
+- ``F32``: ``Precision.HIGHEST`` (the full float32 product, about six passes); for the few tiny
+  products whose exactness matters more than their cost.
+
+docs/algorithm.md ("Precision of the Pallas kernels") has the measured errors of each choice.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+
+
+class MatmulPrecision(enum.Enum):
+    """How a kernel product uses the MXU (see the module docstring)."""
+
+    BF16 = "bf16"
+    BF16X3 = "bf16x3"
+    BF16X3_SPLIT = "bf16x3-split"
+    F32 = "f32"
+
+    def for_interpret(self) -> MatmulPrecision:
+        """The precision that computes the same rounding in TPU interpret mode."""
+        return MatmulPrecision.BF16X3_SPLIT if self is MatmulPrecision.BF16X3 else self
+
+
+def split_bf16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x ~= hi + lo`` with both parts bfloat16 (``hi`` is ``x`` rounded, ``lo`` the rest)."""
+    hi = x.astype(BF16)
+    lo = (x.astype(F32) - hi.astype(F32)).astype(BF16)
+    return hi, lo
+
+
+def _dot(a: jax.Array, b: jax.Array, contract, precision: MatmulPrecision) -> jax.Array:
+    dims = (contract, ((0,), (0,)))  # batch over axis 0 (units)
+    if precision is MatmulPrecision.F32:
+        return lax.dot_general(
+            a.astype(F32),
+            b.astype(F32),
+            dims,
+            precision=lax.Precision.HIGHEST,
+            preferred_element_type=F32,
+        )
+    if precision is MatmulPrecision.BF16:
+        return lax.dot_general(a.astype(BF16), b.astype(BF16), dims, preferred_element_type=F32)
+    if precision is MatmulPrecision.BF16X3:
+        return lax.dot_general(
+            a.astype(F32),
+            b.astype(F32),
+            dims,
+            precision=lax.Precision.HIGH,
+            preferred_element_type=F32,
+        )
+    a_hi, a_lo = split_bf16(a)
+    b_hi, b_lo = split_bf16(b)
+
+    def one_pass(x, y):
+        return lax.dot_general(x, y, dims, preferred_element_type=F32)
+
+    return one_pass(a_hi, b_hi) + (one_pass(a_hi, b_lo) + one_pass(a_lo, b_hi))
+
+
+def mm(a: jax.Array, b: jax.Array, precision: MatmulPrecision) -> jax.Array:
+    """``a @ b`` per unit: [U, m, k] x [U, k, n] -> [U, m, n] float32."""
+    return _dot(a, b, ((2,), (1,)), precision)
+
+
+def mm_nt(a: jax.Array, b: jax.Array, precision: MatmulPrecision) -> jax.Array:
+    """``a @ b^T`` per unit: [U, m, k] x [U, n, k] -> [U, m, n] float32."""
+    return _dot(a, b, ((2,), (2,)), precision)
+
+
+def mm_tn(a: jax.Array, b: jax.Array, precision: MatmulPrecision) -> jax.Array:
+    """``a^T @ b`` per unit: [U, k, m] x [U, k, n] -> [U, m, n] float32."""
+    return _dot(a, b, ((1,), (1,)), precision)

@@ -1,0 +1,259 @@
+"""The static plan of one call of the kernels: blocking, precision, residual dtype, VMEM.
+
+Blocking. A grid step processes ``hb`` heads times ``nc`` consecutive chunks of ``C`` tokens:
+``U = hb * nc`` units, whose chunk-parallel work (decay levels, scores, WY inverse, products) runs
+batched, so that the dependency chains of the units interleave on the MXU instead of waiting on
+each other; only the state pass is sequential (``nc`` steps of one ``[K, V]`` update per head).
+Measured by the TPU compiler's static cycle estimate (``gdn2 tpu-report``, v5e, bf16, B=8 T=4096
+H=6 d=128): one unit per step costs about 4x the cycles of ``hb=6, nc=4`` per chunk. So:
+
+- ``hb``: the largest divisor of H not above ``MAX_HEADS_PER_STEP`` (each head is its own DMA:
+  head-strided blocks are not what the TPU profiler models, and separate blocks cost nothing);
+- ``nc``: up to ``MAX_UNITS // hb`` chunks (at most the chunks there are), reduced until the VMEM
+  byte model fits the budget.
+
+The sequence is padded at the end with zero tokens (``k = 0, g = 0`` leave the state unchanged) to
+a whole number of steps, ``t_pad = ceil(T / (nc C)) nc C``.
+
+VMEM byte model (one grid step; an upper-bound estimate, checked against the compiler in
+tests/pallas_tpu): double-buffered input blocks, the output staging buffers, the residual blocks,
+and the live float32 intermediates of the batched chunk math (``[U, C, K]``-sized arrays,
+``[U, C, C]`` matrices, ``[hb, K, V]`` states). At the train shape (bf16, d=128, C=64, hb=6,
+nc=4) it is about 36 MiB forward and 56 MiB backward: VMEM is 128 MiB per core on v5e and v6e.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Final
+
+import jax
+import jax.numpy as jnp
+
+from gdn2_pallas_tpu.matmul import MatmulPrecision
+from gdn2core.plugin import KernelConfig, OpSpec
+
+F32_BYTES: Final = 4
+#: Lanes of a vector register (the minor dimension of every TPU tile).
+NUM_LANES: Final = 128
+#: Heads per grid step at most.
+MAX_HEADS_PER_STEP: Final = 8
+#: Units (head-chunks) per grid step at most: more adds VMEM but no measured speed.
+MAX_UNITS: Final = 24
+#: Chunks per grid step at most (the sequential state pass is nc steps long).
+MAX_CHUNKS_PER_STEP: Final = 4
+#: Chunk lengths the level scheme takes: powers of two (levels), sublane aligned, MXU sized.
+SUPPORTED_CHUNKS: Final = (16, 32, 64, 128)
+SUPPORTED_HEAD_SIZES: Final = (64, 128, 256)
+SUPPORTED_DTYPES: Final = ("float32", "bfloat16")
+#: VMEM planned for when the target chip is unknown (traced for an unknown device): the smallest
+#: per-core VMEM of the generations we target (v5p, v7x: 64 MiB; v5e, v6e: 128 MiB).
+DEFAULT_VMEM_CAPACITY: Final = 64 * 2**20
+#: Share of the capacity the byte model may plan for (the model is an upper bound: the compiler
+#: needed 16/32 MiB for the bf16 forward/backward at the train blocking where it says 32/48 MiB).
+VMEM_PLAN_SHARE: Final = 0.9
+
+
+def vmem_capacity_bytes(like: jax.Array | None = None) -> int:
+    """Per-core VMEM of the TPU this program is built for, else ``DEFAULT_VMEM_CAPACITY``.
+
+    The chip is the default device's, or that of an enclosing ``jax.sharding.use_abstract_mesh``,
+    or, for an argument traced with a TPU sharding (a deviceless compile on a CPU host), the device
+    kind in ``like``'s sharding.
+    """
+    from jax.experimental.pallas import tpu as pltpu
+
+    try:
+        return int(pltpu.get_tpu_info().vmem_capacity_bytes)
+    except Exception:  # not on a TPU host and no abstract TPU mesh around the call
+        pass
+    mesh = (
+        getattr(getattr(jax.typeof(like), "sharding", None), "mesh", None)
+        if like is not None
+        else None
+    )
+    device = getattr(mesh, "abstract_device", None)
+    if device is not None and getattr(device, "platform", None) == "tpu":
+        try:
+            with jax.sharding.use_abstract_mesh(mesh):
+                return int(pltpu.get_tpu_info().vmem_capacity_bytes)
+        except Exception:  # an unknown TPU kind: plan for the smallest
+            pass
+    return DEFAULT_VMEM_CAPACITY
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Precisions:
+    """The MXU precision of each group of products (matmul.py)."""
+
+    scores: MatmulPrecision  # F4: A_kk, A_qk by levels
+    inverse: MatmulPrecision  # F5: the WY inverse by levels
+    wy: MatmulPrecision  # F6: Y | U = T [Ē | Z] (forward and backward)
+    state: MatmulPrecision  # F7-F9 and the reverse state pass
+    grads: MatmulPrecision  # B1-B5: the chunk-parallel gradient products
+    score_grads: MatmulPrecision  # B7: rho and kappa by levels
+
+    @classmethod
+    def uniform(cls, precision: MatmulPrecision) -> Precisions:
+        return cls(*(precision,) * 6)
+
+    def for_interpret(self) -> Precisions:
+        """The same rounding, spelled out for TPU interpret mode (matmul.py)."""
+        return Precisions(
+            *(getattr(self, f.name).for_interpret() for f in dataclasses.fields(self))
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    """Static description of one call (hashable: a ``custom_vjp`` non-diff argument)."""
+
+    batch: int
+    seq_len: int  # T of the caller
+    heads: int
+    dk: int
+    dv: int
+    dtype: str  # "float32" or "bfloat16"
+    scale: float
+    wy_eps: float
+    C: int  # chunk length
+    hb: int  # heads per grid step
+    nc: int  # chunks per grid step
+    precisions: Precisions
+    vmem_limit_bytes: int
+    interpret: bool
+
+    @property
+    def units(self) -> int:
+        return self.hb * self.nc
+
+    @property
+    def step_len(self) -> int:
+        """Tokens per grid step per head."""
+        return self.nc * self.C
+
+    @property
+    def n_steps(self) -> int:
+        return max(1, math.ceil(self.seq_len / self.step_len))
+
+    @property
+    def t_pad(self) -> int:
+        return self.n_steps * self.step_len
+
+    @property
+    def head_groups(self) -> int:
+        return self.heads // self.hb
+
+    @property
+    def itemsize(self) -> int:
+        return jnp.dtype(self.dtype).itemsize
+
+    @property
+    def lane_pack(self) -> int:
+        """Units side by side in the lanes of a saved ``[C, C]`` matrix: a ``C < 128`` matrix alone
+        would be padded to 128 lanes in HBM (twice the bytes at C = 64)."""
+        pack = max(1, NUM_LANES // self.C)
+        return pack if self.units % pack == 0 else 1
+
+    @property
+    def residual_block(self) -> tuple[int, int, int]:
+        """The packed ``T``/``A_qk`` block of a step: ``(U / pack, C, pack C)``."""
+        return (self.units // self.lane_pack, self.C, self.lane_pack * self.C)
+
+    @property
+    def residual_dtype(self):
+        """dtype of the saved ``T`` and ``A_qk``: bfloat16 when every product that reads them
+        rounds them to bfloat16 anyway, else float32."""
+        p = self.precisions
+        readers = (p.wy, p.state, p.grads)
+        return jnp.bfloat16 if all(x is MatmulPrecision.BF16 for x in readers) else jnp.float32
+
+    def grid(self) -> tuple[int, int, int]:
+        """(batch, head group, step): the step axis is last, sequential ("arbitrary")."""
+        return (self.batch, self.head_groups, self.n_steps)
+
+
+def precisions_for(dtype: str) -> Precisions:
+    """bfloat16 inputs: one bf16 pass everywhere; float32 inputs: bf16x3 (docs/algorithm.md
+    measures both)."""
+    if dtype == "bfloat16":
+        return Precisions.uniform(MatmulPrecision.BF16)
+    return Precisions.uniform(MatmulPrecision.BF16X3)
+
+
+def vmem_bytes(plan: Plan, backward: bool) -> dict[str, int]:
+    """The VMEM byte model of one grid step (module docstring)."""
+    U, hb, C, K, V, s = plan.units, plan.hb, plan.C, plan.dk, plan.dv, plan.itemsize
+    rs = jnp.dtype(plan.residual_dtype).itemsize
+    n_in = (4 * K + 3 * V) if backward else (4 * K + 2 * V)  # q k b g (+dO) v w per token
+    n_out = (4 * K + 2 * V) if backward else V  # gradients / o per token
+    blocks = 2 * hb * plan.step_len * n_in * s  # double-buffered input tiles
+    blocks += hb * plan.step_len * n_out * s  # output staging (manual DMA)
+    blocks += 2 * U * C * max(C, NUM_LANES // plan.lane_pack) * rs  # T|A_qk, lane-packed
+    blocks += 2 * 2 * hb * K * V * F32_BYTES  # states in/out
+    scratch = hb * K * V * F32_BYTES  # the carried state (or dS)
+    lcn = math.log2(C)
+    if backward:  # ~30 [C, K] + ~10 [C, V] + ~12 [C, C] live per unit, 2 states per unit
+        live = F32_BYTES * U * (30 * C * K + 10 * C * V + 12 * C * C + 2 * K * V)
+    else:  # ~16 [C, K] + ~6 [C, V] + ~8 [C, C] per unit, plus the levels' factors
+        live = F32_BYTES * U * ((16 + lcn) * C * K + 6 * C * V + 8 * C * C)
+    live = int(live)
+    return {"blocks": blocks, "scratch": scratch, "live": live, "total": blocks + scratch + live}
+
+
+def make_plan(
+    spec: OpSpec,
+    config: KernelConfig,
+    vmem_capacity: int | None = None,
+    precisions: Precisions | None = None,
+) -> Plan:
+    """The plan of one call (see the module docstring for the choices)."""
+    capacity = vmem_capacity_bytes() if vmem_capacity is None else vmem_capacity
+    precs = precisions_for(spec.dtype) if precisions is None else precisions
+    budget = int(VMEM_PLAN_SHARE * capacity)
+    C = int(config.bt)
+    hb = max(d for d in range(1, min(spec.heads, MAX_HEADS_PER_STEP) + 1) if spec.heads % d == 0)
+    n_chunks = max(1, math.ceil(spec.seq_len / C))
+    nc = max(1, min(MAX_CHUNKS_PER_STEP, MAX_UNITS // hb, n_chunks))
+    while True:
+        plan = Plan(
+            batch=spec.batch,
+            seq_len=spec.seq_len,
+            heads=spec.heads,
+            dk=spec.dk,
+            dv=spec.dv,
+            dtype=spec.dtype,
+            scale=float(spec.scale),
+            wy_eps=float(config.wy_eps),
+            C=C,
+            hb=hb,
+            nc=nc,
+            precisions=precs.for_interpret() if config.interpret else precs,
+            vmem_limit_bytes=capacity,
+            interpret=bool(config.interpret),
+        )
+        need = max(vmem_bytes(plan, False)["total"], vmem_bytes(plan, True)["total"])
+        if need <= budget or (nc == 1 and hb == 1):
+            return plan
+        if nc > 1:
+            nc //= 2
+        else:
+            hb = max(d for d in range(1, hb) if spec.heads % d == 0)
+
+
+def check_plan(spec: OpSpec, config: KernelConfig) -> str | None:
+    """``None`` when the kernels can run this call, else the reason."""
+    if config.bt not in SUPPORTED_CHUNKS:
+        return f"bt={config.bt} is not one of {SUPPORTED_CHUNKS} (powers of two, sublane aligned)"
+    plan = make_plan(spec, config)
+    budget = int(VMEM_PLAN_SHARE * plan.vmem_limit_bytes)
+    for name, backward in (("forward", False), ("backward", True)):
+        used = vmem_bytes(plan, backward)["total"]
+        if used > budget:
+            return (
+                f"{name} kernel needs ~{used / 2**20:.1f} MiB of VMEM per grid step at bt={config.bt}, "
+                f"dk={spec.dk}, dv={spec.dv} even with one head and one chunk per step (budget "
+                f"{budget / 2**20:.0f} MiB of {plan.vmem_limit_bytes / 2**20:.0f} MiB); use a smaller bt"
+            )
+    return None
