@@ -1,0 +1,401 @@
+"""TPU time without a TPU: the static cycle estimate of libtpu's compiler, per compiled op.
+
+With ``--xla_jf_dump_static_llo_profile_to=DIR`` in ``LIBTPU_INIT_ARGS``, the deviceless TPU
+compile writes one textproto per compiled HLO op holding ``estimated_cycles``: a simulation of the
+op's LLO program (for a Pallas kernel, its whole grid and in-kernel loops). It is a compiler
+estimate, not a measurement: on matmul- and HBM-bound XLA ops it lands within about 5% of the peak
+rates, and on a real kernel it has been about 1.3x optimistic, so compare ratios, not absolutes.
+
+How this module turns the dump into a time:
+
+- Ops inside an XLA ``while`` loop are profiled once per iteration; they are multiplied by the
+  loop's trip count, read from the compiled HLO (``known_trip_count``, else the ``i < N`` of the
+  loop condition).
+- Cycles become milliseconds at the chip's clock (:data:`CLOCK_HZ`).
+- Ops whose DMAs the profiler classifies as remote get 0 cycles: they are reported as
+  ``unmodelled`` with XLA's own fusion cost model as a rough figure. Ops on which the profiler
+  aborts are reported as ``unprofiled`` (the compile is repeated profiling only the others),
+  unless their profile was written before the abort (some aborts come from a type check that
+  runs after the simulation): then the estimate is kept.
+- The simulation of a kernel's grid needs memory per grid step (tens of MB; a full train-shape
+  compile can need more than 20 GB), so :func:`estimate_fit` simulates the Pallas kernels at small
+  ``(B, T)`` and extrapolates them linearly in ``B * T`` (their grids are linear in it; the fit
+  residual is reported), while the XLA ops are profiled at the requested shape itself.
+
+Every compile runs in a child process (``python -m gdn2_tools.static_profile``), which compiles
+the public op of a backend through :func:`gdn2_tools.tpu.compile_op`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Final
+
+#: Clock of one TensorCore. v5e: 197 TFLOP/s bf16 / (4 MXUs x 128 x 128 x 2) = 1.5 GHz. v6e:
+#: not published; 918 TFLOP/s / (4 x 256 x 256 x 2) = 1.75 GHz matches what the profiler charges
+#: for a bf16 matmul (its HBM time is not modelled on v6e: HBM-bound ops read as too fast there).
+CLOCK_HZ: Final = {"v5e": 1.5e9, "v6e": 1.75e9}
+PROFILE_FLAG: Final = "--xla_jf_dump_static_llo_profile_to="
+ONLY_FLAG: Final = "--xla_jf_dump_only_matching_hlo="
+NO_MSA_FLAG: Final = "--xla_msa_enable=false"
+LABEL: Final = "TPU compiler static cycle estimate (libtpu LLO profile), not a measurement"
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """What to compile: one backend's forward or train step through the public op."""
+
+    backend: str
+    mode: str  # "forward" or "train"
+    B: int
+    T: int
+    H: int
+    dk: int
+    dv: int
+    dtype: str
+    config: str = "default"  # "default" or a gdn2core.PRESETS name
+
+    def at(self, B: int, T: int) -> Program:
+        return dataclasses.replace(self, B=B, T=T)
+
+
+@dataclasses.dataclass
+class OpCycles:
+    name: str
+    cycles: int  # per execution
+    runs: int  # times it executes (while-loop trip counts)
+    kernel: bool  # a Mosaic (Pallas) kernel
+    unmodelled: bool = False  # remote DMA: the profiler says 0
+    cost_model_cycles: int = 0  # XLA's fusion cost model, for unmodelled ops
+    fit: dict | None = None  # extrapolation details
+
+    @property
+    def total(self) -> int:
+        return self.cycles * self.runs
+
+
+@dataclasses.dataclass
+class Estimate:
+    program: Program
+    tpu: str
+    ops: list[OpCycles]
+    temp_bytes: int | None
+    unprofiled: dict[str, str]
+    loops_without_trip_count: list[str]
+    error: str | None = None
+
+    @property
+    def cycles(self) -> int:
+        return sum(op.total for op in self.ops)
+
+    @property
+    def kernel_cycles(self) -> int:
+        return sum(op.total for op in self.ops if op.kernel)
+
+    def ms(self, cycles: int | None = None) -> float:
+        return (self.cycles if cycles is None else cycles) / CLOCK_HZ[self.tpu] * 1e3
+
+    @property
+    def unmodelled(self) -> list[OpCycles]:
+        return [op for op in self.ops if op.unmodelled]
+
+    @property
+    def trustworthy(self) -> bool:
+        """No kernel left out of the estimate (unprofiled or unmodelled) and no loop miscounted."""
+        bad_kernels = [op for op in self.unmodelled if op.kernel]
+        return not (self.error or self.unprofiled or bad_kernels or self.loops_without_trip_count)
+
+
+# -------------------------------------------------------------------------------------------------
+# Reading the dumps
+# -------------------------------------------------------------------------------------------------
+def read_profiles(directory: str) -> dict[str, tuple[int, str]]:
+    """``{hlo op: (estimated cycles, DMA type)}`` from the profile textprotos in ``directory``."""
+    pattern = re.compile(
+        r'hlo_op_name: "([^"]+)"\s+estimated_cycles: (\d+)(?:\s+num_equivalent_hlos: \d+)?'
+        r"(?:\s+dma_instruction_type: (\w+))?"
+    )
+    found = {}
+    for path in glob.glob(os.path.join(directory, "*static_llo_profile.textproto")):
+        with open(path) as f:
+            for name, cycles, dma in pattern.findall(f.read()):
+                found[name] = (int(cycles), dma.replace("DMA_INSTRUCTION_TYPE_", ""))
+    return found
+
+
+def fusion_cost_model(hlo: str) -> dict[str, int]:
+    """``{op: cycles}`` of XLA's own fusion cost model (``window_config.estimated_cycles``)."""
+    pattern = r'^\s*(?:ROOT )?%(\S+) = [^\n]*?"window_config":\{[^}]*?"estimated_cycles":"(\d+)"'
+    return {name: int(c) for name, c in re.findall(pattern, hlo, re.M)}
+
+
+def run_counts(hlo: str) -> tuple[dict[str, int], list[str]]:
+    """``({op: times it runs}, [while loops without a known trip count])`` from compiled HLO text:
+    a while body runs trip-count times per run of its caller."""
+    computation_of: dict[str, str] = {}
+    callers: dict[str, list[tuple[str, int]]] = {}
+    bodies: dict[str, list[str]] = {}
+    whiles = []
+    entry, current = None, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(ENTRY )?%(\S+) ", line)
+        if head and line.rstrip().endswith("{"):
+            current = head.group(2)
+            bodies[current] = []
+            entry = current if head.group(1) else entry
+            continue
+        op = re.match(r"^\s*(?:ROOT )?%(\S+) = ", line)
+        if not op or current is None:
+            continue
+        computation_of[op.group(1)] = current
+        bodies[current].append(line)
+        loop = re.search(r"condition=%([\w.\-]+), body=%([\w.\-]+)", line)
+        if loop:
+            whiles.append((current, op.group(1), loop.group(1), loop.group(2), line))
+            continue
+        for callee in re.findall(
+            r"(?:calls|to_apply|true_computation|false_computation)=%([\w.\-]+)", line
+        ):
+            callers.setdefault(callee, []).append((current, 1))
+        for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+            for callee in re.findall(r"%([\w.\-]+)", group):
+                callers.setdefault(callee, []).append((current, 1))
+    unknown = []
+    for caller, name, cond, body, line in whiles:
+        trip = None
+        known = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+        if known:
+            trip = int(known.group(1))
+        else:
+            inner = re.findall(r"calls=%([\w.\-]+)", "\n".join(bodies.get(cond, [])))
+            text = "\n".join(ln for c in [cond, *inner] for ln in bodies.get(c, []))
+            consts = dict(re.findall(r"%(\S+) = s32\[\]\S* constant\((-?\d+)\)", text))
+            bound = re.search(r"compare\(%\S+, %(\S+)\), direction=LT", text)
+            if bound and bound.group(1).rstrip(",") in consts:
+                trip = int(consts[bound.group(1).rstrip(",")])
+        if trip is None:
+            unknown.append(name)
+        callers.setdefault(body, []).append((caller, trip or 1))
+        callers.setdefault(cond, []).append((caller, (trip or 0) + 1))
+    memo: dict[str, int] = {}
+
+    def runs(computation: str) -> int:
+        if computation not in memo:
+            memo[computation] = (
+                1
+                if computation == entry
+                else sum(runs(c) * n for c, n in callers.get(computation, []))
+            )
+        return memo[computation]
+
+    return {name: runs(comp) for name, comp in computation_of.items()}, unknown
+
+
+# -------------------------------------------------------------------------------------------------
+# Compiling in a child process
+# -------------------------------------------------------------------------------------------------
+def _child_main(argv: Sequence[str]) -> int:
+    """``python -m gdn2_tools.static_profile PROGRAM_JSON TPU WORKDIR``: compile and write
+    ``hlo.txt`` and ``meta.json`` (the profile itself is written by libtpu)."""
+    program, tpu, work = Program(**json.loads(argv[0])), argv[1], argv[2]
+    from gdn2_tools.tpu import TOPOLOGIES, compile_op
+    from gdn2core import DEFAULT_CONFIG, PRESETS
+
+    config = DEFAULT_CONFIG if program.config == "default" else PRESETS[program.config]
+    compiled = compile_op(
+        program.backend, TOPOLOGIES[tpu], program.mode,
+        program.B, program.T, program.H, program.dk, program.dv, program.dtype, config,
+    )  # fmt: skip
+    hlo = compiled.as_text()
+    with open(os.path.join(work, "hlo.txt"), "w") as f:
+        f.write(hlo)
+    kernels = re.findall(r'%(\S+) = [^\n]*custom_call_target="tpu_custom_call"', hlo)
+    memory = compiled.memory_analysis()
+    meta = {"kernels": kernels, "temp_bytes": memory.temp_size_in_bytes if memory else None}
+    with open(os.path.join(work, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    return 0
+
+
+def _rss_gb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS")) / 2**20
+    except (OSError, StopIteration):
+        return 0.0
+
+
+def _compile_child(program, tpu, work, flags, timeout_s, max_rss_gb) -> tuple[int | str, str]:
+    env = dict(os.environ)
+    env.update(
+        JAX_PLATFORMS="cpu",
+        ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+        TPU_LOG_DIR="disabled",
+        LIBTPU_INIT_ARGS=" ".join([env.get("LIBTPU_INIT_ARGS", ""), *flags]).strip(),
+    )
+    cmd = [sys.executable, "-m", "gdn2_tools.static_profile", json.dumps(dataclasses.asdict(program)), tpu, work]  # fmt: skip
+    start = time.time()
+    with open(os.path.join(work, "stderr.txt"), "w+") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log)
+        while (code := proc.poll()) is None:
+            time.sleep(0.5)
+            if _rss_gb(proc.pid) > max_rss_gb or time.time() - start > timeout_s:
+                proc.kill()
+                proc.wait()
+                code = f"stopped (over {max_rss_gb} GB or {timeout_s} s)"
+                break
+        log.seek(0)
+        return code, log.read()
+
+
+def estimate(
+    program: Program,
+    tpu: str,
+    *,
+    kernels: bool = True,
+    xla_ops: bool = True,
+    extra_flags: Sequence[str] = (),
+    timeout_s: float = 1800,
+    max_rss_gb: float = 12.0,
+) -> Estimate:
+    """Compile ``program`` for ``tpu`` in a child process and read its static profile.
+
+    Args:
+        program: what to compile.
+        tpu: ``"v5e"`` or ``"v6e"``.
+        kernels: profile the Pallas kernels.
+        xla_ops: profile the XLA ops.
+        extra_flags: more libtpu flags.
+        timeout_s: stop the child after this long.
+        max_rss_gb: stop the child above this resident memory.
+
+    Returns:
+        The :class:`Estimate` (``error`` set when the compile failed).
+    """
+    work = tempfile.mkdtemp(prefix="gdn2_profile_")
+    profile_dir = os.path.join(work, "profile")
+    only: str | None = None
+    if not (kernels and xla_ops):  # a plain compile names the ops to profile
+        code, log = _compile_child(program, tpu, work, list(extra_flags), timeout_s, max_rss_gb)
+        if code != 0:
+            return Estimate(program, tpu, [], None, {}, [], error=_tail(log, code))
+        names = re.findall(r"^\s*(?:ROOT )?%(\S+) = ", _read(work, "hlo.txt"), re.M)
+        kernel_names = set(json.loads(_read(work, "meta.json"))["kernels"])
+        chosen = [n for n in names if (n in kernel_names) == kernels]
+        only = ";".join(f"{n}=true" for n in chosen)
+    unprofiled: dict[str, str] = {}
+    for _ in range(6):  # each round drops the ops the profiler aborted on
+        flags = [*extra_flags, PROFILE_FLAG + profile_dir] + ([ONLY_FLAG + only] if only else [])
+        code, log = _compile_child(program, tpu, work, flags, timeout_s, max_rss_gb)
+        crashed = dict(re.findall(r"Static LLO profiling of (\S+) failed: ([^\n]*)", log))
+        check = re.search(r"LLO_CHECK failure[^\n]*", log)  # the profiler's own type check
+        if check:
+            crashed.update((n, check.group(0)) for n in re.findall(r" in HLO \[([^\]]+)\]", log))
+        if code == 0 or not crashed:
+            break
+        unprofiled.update(crashed)
+        names = re.findall(r"^\s*(?:ROOT )?%(\S+) = ", _read(work, "hlo.txt"), re.M)
+        done = read_profiles(profile_dir)
+        todo = [n for n in names if n not in done and n not in unprofiled]
+        if only is not None:
+            todo = [n for n in todo if f"{n}=true" in only.split(";")]
+        if not todo:
+            code = 0
+            break
+        only = ";".join(f"{n}=true" for n in todo)
+    if code != 0 or not os.path.exists(os.path.join(work, "meta.json")):
+        return Estimate(program, tpu, [], None, unprofiled, [], error=_tail(log, code))
+    hlo = _read(work, "hlo.txt")
+    meta = json.loads(_read(work, "meta.json"))
+    runs, unknown_loops = run_counts(hlo)
+    cost_model = fusion_cost_model(hlo)
+    ops = []
+    for name, (cycles, dma) in read_profiles(profile_dir).items():
+        op = OpCycles(name, cycles, runs.get(name, 1), name in meta["kernels"])
+        if cycles == 0 and "REMOTE" in dma:
+            op.unmodelled, op.cost_model_cycles = True, cost_model.get(name, 0)
+        ops.append(op)
+    profiled = {op.name for op in ops}
+    unprofiled = {k: v for k, v in unprofiled.items() if k not in profiled}
+    return Estimate(program, tpu, ops, meta["temp_bytes"], unprofiled, unknown_loops)
+
+
+def _read(work: str, name: str) -> str:
+    with open(os.path.join(work, name)) as f:
+        return f.read()
+
+
+def _tail(log: str, code) -> str:
+    lines = [ln for ln in log.splitlines() if ln.strip() and "TPU_WORKER" not in ln]
+    return f"compile child exit {code}: " + " | ".join(lines[-4:])
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float], x: float) -> tuple[float, float, float]:
+    """Least squares ``y = a + b x``: (prediction at ``x``, slope, largest relative residual)."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((u - mx) * (v - my) for u, v in zip(xs, ys, strict=True)) / sum(
+        (u - mx) ** 2 for u in xs
+    )
+    a = my - slope * mx
+    resid = max(abs(a + slope * u - v) / max(v, 1) for u, v in zip(xs, ys, strict=True))
+    return a + slope * x, slope, resid
+
+
+def estimate_fit(
+    program: Program, tpu: str, points: Sequence[tuple[int, int]], **kw
+) -> Estimate:
+    """The XLA ops of ``program`` profiled at its own shape; its Pallas kernels simulated at the
+    ``(B, T)`` ``points`` (with XLA's memory-space assignment off, so that kernel operands stay
+    in HBM as at full size) and extrapolated linearly in ``B * T``.
+
+    Args:
+        program: the program at the size to report.
+        tpu: ``"v5e"`` or ``"v6e"``.
+        points: at least two small ``(B, T)`` shapes.
+        **kw: passed to :func:`estimate`.
+
+    Returns:
+        The combined :class:`Estimate`; each kernel's ``fit`` holds its points and residual.
+    """
+    target = estimate(program, tpu, kernels=False, **kw)
+    if target.error:
+        return target
+    small = [
+        estimate(program.at(b, t), tpu, xla_ops=False, extra_flags=[NO_MSA_FLAG], **kw)
+        for b, t in points
+    ]
+    for s in small:
+        if s.error:
+            target.error = f"fit point B={s.program.B} T={s.program.T}: {s.error}"
+            return target
+        target.unprofiled.update(s.unprofiled)
+    x = program.B * program.T
+    kernel_names = {op.name for s in small for op in s.ops if op.kernel}
+    for name in sorted(kernel_names):
+        pts = [
+            (s.program.B * s.program.T, op.total) for s in small for op in s.ops if op.name == name
+        ]
+        if len(pts) < 2:
+            target.error = f"kernel {name}: fewer than two fit points"
+            continue
+        cycles, per_token, resid = fit_line([p for p, _ in pts], [c for _, c in pts], x)
+        target.ops.append(
+            OpCycles(
+                name, round(cycles), 1, True,
+                fit={"points": pts, "cycles_per_token": per_token, "max_rel_residual": resid},
+            )
+        )  # fmt: skip
+    return target
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1:]))
