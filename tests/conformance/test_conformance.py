@@ -26,15 +26,14 @@ class TestScanBaseline(ConformanceSuite):
 class TestPallasTpuInterpret(ConformanceSuite):
     """The Pallas TPU kernels on the CPU in TPU interpret mode (``pltpu.InterpretParams()``); the
     same kernels are compiled for real TPU targets in tests/pallas_tpu/test_compile.py. No float64
-    (not a capability), and no vmap: JAX's TPU interpret mode does not batch a pallas_call's
-    dimension semantics (the vmapped kernels are compiled for TPU in test_compile.py)."""
+    (not a capability)."""
 
     targets = (
         Target(
             "pallas_tpu",
             KernelConfig(bt=16, bc=8, mb=8, interpret=True),
             ((64, 64), (64, 128), (128, 64)),
-            frozenset(Feature) - {Feature.FLOAT64, Feature.VMAP},
+            frozenset(Feature) - {Feature.FLOAT64},
             quick=True,
             name="pallas_tpu-interpret",
         ),

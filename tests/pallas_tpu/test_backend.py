@@ -47,8 +47,8 @@ def test_verdict_here_and_on_a_tpu():
         (_spec(dk=96), SMALL, "dk=96"),
         (_spec(dv=32), SMALL, "dv=32"),
         (_spec(dtype="float64"), SMALL, "float64"),
-        (_spec(), KernelConfig(bt=12, bc=6, mb=6), "multiple of 8"),
-        (_spec(dk=256, dv=256), KernelConfig(bt=256, bc=128, mb=16), "VMEM"),
+        (_spec(), KernelConfig(bt=24, bc=12, mb=6), "bt=24 is not one of"),
+        (_spec(dk=256, dv=256), KernelConfig(bt=256, bc=128, mb=16), "bt=256 is not one of"),
     ],
 )
 def test_verdict_refuses_with_reason(spec, config, needle):

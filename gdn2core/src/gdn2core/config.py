@@ -14,8 +14,9 @@ Fields (names and sections as in ``docs/algorithm.md``):
   0 is the exact operator.
 - ``interpret``: run Pallas kernels in TPU interpret mode (``pltpu.InterpretParams()``) on the CPU.
   Only the Pallas backend reads it; it is an explicit testing option.
-- ``hybrid_forward``: Pallas backend only: run the pure-JAX chunked forward (jax_ref) and the
-  Pallas backward.
+
+``bc``, ``mb`` and ``clip`` are read by the pure-JAX chunked backend (jax_ref); the Pallas kernels
+form their scores and WY inverse by levels (docs/algorithm.md) and read only ``bt`` and ``wy_eps``.
 """
 
 from __future__ import annotations
@@ -41,9 +42,6 @@ class KernelConfig(BaseModel):
     clip: float = Field(60.0, gt=0.0, description="guard on positive exponents (never binds)")
     wy_eps: float = Field(0.0, ge=0.0, lt=1.0, description="WY damping; 0 is exact")
     interpret: bool = Field(False, description="Pallas: run kernels in TPU interpret mode")
-    hybrid_forward: bool = Field(
-        False, description="Pallas: the pure-JAX chunked forward, the Pallas backward"
-    )
 
     @model_validator(mode="after")
     def _check_blocking(self) -> Self:

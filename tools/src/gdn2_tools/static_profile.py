@@ -350,9 +350,7 @@ def fit_line(xs: Sequence[float], ys: Sequence[float], x: float) -> tuple[float,
     return a + slope * x, slope, resid
 
 
-def estimate_fit(
-    program: Program, tpu: str, points: Sequence[tuple[int, int]], **kw
-) -> Estimate:
+def estimate_fit(program: Program, tpu: str, points: Sequence[tuple[int, int]], **kw) -> Estimate:
     """The XLA ops of ``program`` profiled at its own shape; its Pallas kernels simulated at the
     ``(B, T)`` ``points`` (with XLA's memory-space assignment off, so that kernel operands stay
     in HBM as at full size) and extrapolated linearly in ``B * T``.

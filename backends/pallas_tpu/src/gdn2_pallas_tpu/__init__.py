@@ -1,22 +1,19 @@
 """The pallas_tpu backend of gdn2: fused Pallas TPU kernels for the GDN-2 recurrence.
 
-Modules (tokamax-like layout):
+Modules (per job, as in tokamax):
 
 - ``plugin.py``: the entry point: the ``gdn2_backend`` and ``gdn2_kernel_costs`` hooks.
-- ``backend.py``: ``PallasTpuBackend`` (name "pallas_tpu", priority 200): capabilities, supports(),
-  platform guard, hybrid mode switch.
-- ``config.py``: ``Plan`` (static blocking of one call), VMEM byte model, cost formulas
-  (docs/algorithm.md section 9) used by every ``pl.CostEstimate`` and by the report rows.
-- ``layout.py``: the HBM layouts the kernels index ((B, H, T, d) view or (B, T, H, d) in place with
-  8 heads per grid step), BlockSpecs, per-head tile access.
-- ``chunk_math.py``: in-kernel chunk math shared by both kernels: ``gamma_cum``, decay-safe scores
-  (reference-row matmuls off the diagonal, pairwise masked diagonal blocks), blocked WY inverse
-  ``T``, ``Y``, ``U``, score backward.
-- ``kernels_fwd.py``: one forward ``pallas_call`` (``gdn2_fwd_fused``), grid (B, H/Hb, N), chunk
-  axis last and "arbitrary", float32 state in VMEM scratch.
-- ``kernels_bwd.py``: one backward ``pallas_call`` (``gdn2_bwd_fused``), chunks in reverse, dS in
-  VMEM scratch, entry states recomputed per superchunk from the saved ones.
-- ``vjp.py``: the ``jax.custom_vjp`` and its ``Residuals`` dataclass; the platform guard.
-- ``hybrid.py``: ``KernelConfig(hybrid_forward=True)``: jax_ref forward + Pallas backward.
+- ``backend.py``: ``PallasTpuBackend`` (name "pallas_tpu", priority 200): capabilities,
+  supports(), platform guard.
+- ``plan.py``: ``Plan``, the static description of one call: blocking (heads and chunks per grid
+  step), the MXU precision of each group of products, the VMEM byte model.
+- ``matmul.py``: products at an explicit MXU precision (bf16, bf16x3, f32).
+- ``chunk_math.py``: in-kernel math of a batch of chunks: decay levels, scores and WY inverse by
+  levels, the score backward.
+- ``blocks.py``: layouts, index maps, BlockSpecs, the per-head output DMAs.
+- ``kernels_fwd.py``: the forward ``pallas_call`` (``gdn2_fwd``, ``gdn2_fwd_train``).
+- ``kernels_bwd.py``: the backward ``pallas_call`` (``gdn2_bwd``).
+- ``cost.py``: FLOPs and bytes of each call (``pl.CostEstimate``, report rows).
+- ``vjp.py``: the ``jax.custom_vjp``, its ``Residuals`` dataclass, vmap folding, platform guard.
 - ``report.py``: the kernels as report rows (``gdn2 tpu-report`` of gdn2-tools).
 """

@@ -1,17 +1,23 @@
-"""How the kernels see HBM: layouts, index maps, BlockSpecs, and the output DMAs.
+"""How the kernels see HBM: layouts, index maps, BlockSpecs, loads and stores of token tiles.
 
-Layouts. Token arrays enter the kernels as ``(B, H, t_pad, d)`` (``jnp.swapaxes`` of the public
-``(B, T, H, d)``; for the H of the train shape XLA stores the public array with H major to T, so
-the swap is a bitcast, not a copy). A grid step ``(batch, head_group, step)`` reads, for each of
-its ``hb`` heads, one contiguous ``(nc C, d)`` tile (one BlockSpec per head: a single head-strided
-block would be one strided DMA, which the TPU compiler's profiler does not price). Outputs are
-written the same way, head by head, by manual DMAs from a VMEM staging buffer (several BlockSpecs
-cannot share one output).
+A grid step ``(batch, head_group, step)`` works on ``nc`` chunks (``nc C`` tokens) of ``hb`` heads.
+Its token tiles come in one of two layouts (:class:`~gdn2_pallas_tpu.plan.Layout`):
+
+- ``HEAD_MAJOR``: the kernels read ``(B, H, t_pad, d)`` (``jnp.swapaxes`` of the public array; a
+  bitcast for H not a multiple of 8, see plan.py), one contiguous ``(nc C, d)`` tile per head: one
+  BlockSpec per head, since a single head-strided block would be one strided DMA, which the TPU
+  compiler's profiler does not price. Outputs are written the same way, head by head, by manual
+  DMAs from a VMEM staging buffer (several BlockSpecs cannot share one output).
+- ``TOKEN_MAJOR``: the kernels read the public ``(B, t_pad, H, d)`` in ``(nc C, hb, d)`` blocks
+  (``hb = 8`` heads of every token, one DMA) and swap them to head-major in VMEM; outputs are
+  ordinary blocks of the same shape.
+
+Either way the kernel body sees units ``[U, C, d]`` (``U = hb nc``, unit ``= head * nc + chunk``).
 
 Residuals of the training forward are laid out per grid step, so that each step reads one
-contiguous block: ``T`` and ``A_qk`` packed into one ``[C, C]`` matrix per unit, ``128 / C`` units side
-by side in the lanes (:func:`pack_lanes`), as ``(B, H / hb, n_steps, U / pack, C, pack C)``; the
-entry states of the steps as ``(B, H / hb, n_steps, hb, K, V)``.
+contiguous block: ``T`` and ``A_qk`` packed into one ``[C, C]`` matrix per unit, ``128 / C``
+units side by side in the lanes (:func:`pack_lanes`), as ``(B, H / hb, n_steps, U / pack, C,
+pack C)``; the entry states of the steps as ``(B, H / hb, n_steps, hb, K, V)``.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from gdn2_pallas_tpu.plan import Plan
+from gdn2_pallas_tpu.plan import Layout, Plan
 
 F32 = jnp.float32
 
@@ -43,9 +49,14 @@ def reverse_step(n_steps: int):
     return step_of
 
 
-def _token_index(batch, head_group, step, *, head: int, hb: int, step_of: Callable):
-    """Tile of head ``head_group * hb + head``, tokens of step ``step_of(step)``."""
+def _head_tile_index(batch, head_group, step, *, head: int, hb: int, step_of: Callable):
+    """HEAD_MAJOR: the tile of head ``head_group * hb + head``, tokens of step ``step_of(step)``."""
     return (batch, head_group * hb + head, step_of(step), 0)
+
+
+def _token_block_index(batch, head_group, step, *, step_of: Callable):
+    """TOKEN_MAJOR: the ``(nc C, hb, d)`` block of step ``step_of(step)``, heads of the group."""
+    return (batch, step_of(step), head_group, 0)
 
 
 def _state_index(batch, head_group, step):
@@ -54,19 +65,95 @@ def _state_index(batch, head_group, step):
 
 
 def _residual_index(batch, head_group, step, *, step_of: Callable):
-    """A step's residual block: one contiguous ``(U, ...)`` block per grid step."""
+    """A step's residual block: one contiguous block per grid step."""
     return (batch, head_group, step_of(step), 0, 0, 0)
 
 
-def token_specs(plan: Plan, d: int, step_of: Callable) -> list[pl.BlockSpec]:
-    """One ``(nc C, d)`` BlockSpec per head of a step."""
-    return [
-        pl.BlockSpec(
-            (None, None, plan.step_len, d),
-            functools.partial(_token_index, head=j, hb=plan.hb, step_of=step_of),
-        )
-        for j in range(plan.hb)
-    ]
+class TokenIO:
+    """The token tiles of one kernel: BlockSpecs, arguments, loads and stores, for ``plan``'s
+    layout. ``step_of`` maps the grid's step index to the step of the sequence."""
+
+    def __init__(self, plan: Plan, step_of: Callable):
+        self.plan, self.step_of = plan, step_of
+        self.head_major = plan.layout is Layout.HEAD_MAJOR
+
+    @property
+    def refs_per_array(self) -> int:
+        """Kernel refs per token array: one per head (HEAD_MAJOR) or one block (TOKEN_MAJOR)."""
+        return self.plan.hb if self.head_major else 1
+
+    def in_specs(self, d: int) -> list[pl.BlockSpec]:
+        plan = self.plan
+        if self.head_major:
+            return [
+                pl.BlockSpec(
+                    (None, None, plan.step_len, d),
+                    functools.partial(_head_tile_index, head=j, hb=plan.hb, step_of=self.step_of),
+                )
+                for j in range(plan.hb)
+            ]
+        index = functools.partial(_token_block_index, step_of=self.step_of)
+        return [pl.BlockSpec((None, plan.step_len, plan.hb, d), index)]
+
+    def args(self, x: jax.Array) -> list[jax.Array]:
+        """The arguments matching :meth:`in_specs` (one array, once per ref)."""
+        return [x] * self.refs_per_array
+
+    def out_spec(self, d: int) -> pl.BlockSpec:
+        if self.head_major:
+            return pl.BlockSpec(memory_space=pl.ANY)  # written by manual DMAs
+        return self.in_specs(d)[0]
+
+    def out_scratch(self, dims: Sequence[int], dtype) -> list:
+        """VMEM staging and DMA semaphores for outputs of these widths (HEAD_MAJOR only)."""
+        if not self.head_major:
+            return []
+        plan = self.plan
+        stages = [pltpu.VMEM((plan.hb, plan.step_len, d), dtype) for d in dims]
+        return [*stages, pltpu.SemaphoreType.DMA((len(dims), plan.hb))]
+
+    def load(self, refs: Sequence, d: int) -> jax.Array:
+        """The step's tiles as float32 units ``[U, C, d]``."""
+        plan = self.plan
+        if self.head_major:
+            x = jnp.stack([ref[...] for ref in refs])  # [hb, nc C, d]
+        else:
+            x = jnp.swapaxes(refs[0][...], 0, 1)  # [nc C, hb, d] -> [hb, nc C, d]
+        return x.astype(F32).reshape(plan.units, plan.C, d)
+
+    def store(self, x: jax.Array, out, stage, sems, batch, head_group, step) -> list:
+        """Write units ``x`` [U, C, d] to the output. HEAD_MAJOR: stage in VMEM and start one DMA
+        per head (returned, to ``wait()`` on); TOKEN_MAJOR: an ordinary block store."""
+        plan = self.plan
+        x = x.reshape(plan.hb, plan.step_len, x.shape[-1])  # [hb, nc C, d]
+        if not self.head_major:
+            out[...] = jnp.swapaxes(x, 0, 1).astype(out.dtype)  # [nc C, hb, d]
+            return []
+        stage[...] = x.astype(stage.dtype)
+        rows = pl.ds(step * plan.step_len, plan.step_len)
+        copies = []
+        for j in range(plan.hb):
+            copy = pltpu.make_async_copy(
+                stage.at[j], out.at[batch, head_group * plan.hb + j, rows], sems.at[j]
+            )
+            copy.start()
+            copies.append(copy)
+        return copies
+
+    def to_kernel(self, x: jax.Array) -> jax.Array:
+        """Public (B, T, H, d) -> this layout, zero padded at the end to ``t_pad`` tokens."""
+        pad = self.plan.t_pad - self.plan.seq_len
+        if self.head_major:
+            x = jnp.swapaxes(x, 1, 2)  # [B, H, T, d]
+            return jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) if pad else x
+        return jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad else x
+
+    def from_kernel(self, y: jax.Array) -> jax.Array:
+        """This layout -> public (B, T, H, d), padding dropped."""
+        T = self.plan.seq_len
+        if self.head_major:
+            return jnp.swapaxes(y[:, :, :T] if self.plan.t_pad != T else y, 1, 2)
+        return y[:, :T] if self.plan.t_pad != T else y
 
 
 def state_spec(plan: Plan) -> pl.BlockSpec:
@@ -100,22 +187,6 @@ def unpack_lanes(x: jax.Array, plan: Plan) -> jax.Array:
     return jnp.stack(parts, axis=1).reshape(plan.units, C, C)
 
 
-def hbm_spec() -> pl.BlockSpec:
-    """An output left in HBM, written by :func:`write_heads`."""
-    return pl.BlockSpec(memory_space=pl.ANY)
-
-
-def load_units(head_refs: Sequence, d: int, plan: Plan) -> jax.Array:
-    """The ``hb`` head tiles of a step as float32 units ``[U, C, d]`` (unit = head * nc + chunk)."""
-    x = jnp.stack([ref[...] for ref in head_refs])  # [hb, nc C, d]
-    return x.astype(F32).reshape(plan.units, plan.C, d)
-
-
-def per_head(x: jax.Array, plan: Plan) -> jax.Array:
-    """Units ``[U, C, d]`` back to ``[hb, nc C, d]``."""
-    return x.reshape(plan.hb, plan.step_len, x.shape[-1])
-
-
 def chunk_of(x: jax.Array, j: int, plan: Plan) -> jax.Array:
     """Chunk ``j`` of the step for every head: ``[U, ...]`` -> ``[hb, ...]``."""
     return x.reshape(plan.hb, plan.nc, *x.shape[1:])[:, j]
@@ -124,35 +195,6 @@ def chunk_of(x: jax.Array, j: int, plan: Plan) -> jax.Array:
 def stack_chunks(xs: Sequence[jax.Array], plan: Plan) -> jax.Array:
     """Inverse of :func:`chunk_of` over ``j = 0..nc-1``: ``nc x [hb, ...]`` -> ``[U, ...]``."""
     return jnp.stack(xs, axis=1).reshape(plan.units, *xs[0].shape[1:])
-
-
-def write_heads(x, stage, hbm, sems, plan: Plan, batch, head_group, step) -> list:
-    """Stage ``x`` [hb, nc C, d] in VMEM and start one DMA per head into HBM rows
-    ``step * nc C ...`` of ``hbm`` [B, H, t_pad, d]. Returns the copies (to ``wait()`` on)."""
-    stage[...] = x.astype(stage.dtype)
-    rows = pl.ds(step * plan.step_len, plan.step_len)
-    copies = []
-    for j in range(plan.hb):
-        copy = pltpu.make_async_copy(
-            stage.at[j], hbm.at[batch, head_group * plan.hb + j, rows], sems.at[j]
-        )
-        copy.start()
-        copies.append(copy)
-    return copies
-
-
-def to_kernel(x: jax.Array, plan: Plan) -> jax.Array:
-    """(B, T, H, d) -> (B, H, t_pad, d), zero padded at the end."""
-    x = jnp.swapaxes(x, 1, 2)
-    pad = plan.t_pad - plan.seq_len
-    return jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) if pad else x
-
-
-def from_kernel(y: jax.Array, plan: Plan) -> jax.Array:
-    """(B, H, t_pad, d) -> (B, T, H, d), padding dropped."""
-    if plan.t_pad != plan.seq_len:
-        y = y[:, :, : plan.seq_len]
-    return jnp.swapaxes(y, 1, 2)
 
 
 def interpret_params(plan: Plan):

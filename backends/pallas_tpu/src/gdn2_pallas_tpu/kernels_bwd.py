@@ -37,36 +37,38 @@ GRAD_NAMES = ("dq", "dk", "dv", "dw", "db", "dg")
 class BackwardRefs:
     """The kernel's refs by role."""
 
-    q: tuple  # hb x [nc C, K]
+    q: tuple  # the step's tiles (blocks.TokenIO): hb x [nc C, K], or one [nc C, hb, K]
     k: tuple
-    v: tuple  # hb x [nc C, V]
+    v: tuple  # ... V
     w: tuple
     b: tuple
     g: tuple
-    dO: tuple  # hb x [nc C, V]
+    dO: tuple  # ... V
     TA: object  # [U / pack, C, pack C] saved A_qk (lower, diagonal), T^T (upper), lane-packed
     state_in: object  # [hb, K, V] f32 saved state entering the step
     dh_final: object  # [hb, K, V] f32
-    grads_hbm: tuple  # dq, dk, dv, dw, db, dg: [B, H, t_pad, d] in HBM
+    grads: tuple  # dq, dk, dv, dw, db, dg: in HBM (HEAD_MAJOR), or [nc C, hb, d] blocks
     dh0: object  # [hb, K, V] f32
     # Scratch.
     dS: object  # [hb, K, V] f32 gradient of the state leaving the step
-    stages: tuple  # 6 x [hb, nc C, d] gradient staging for the DMAs
-    sems: object  # DMA semaphores (6, hb)
+    stages: tuple  # 6 x [hb, nc C, d] gradient staging for the DMAs (HEAD_MAJOR), else Nones
+    sems: object | None  # DMA semaphores (6, hb) (HEAD_MAJOR)
 
     @classmethod
-    def unpack(cls, refs, plan: Plan) -> BackwardRefs:
-        hb = plan.hb
-        heads = [tuple(refs[i * hb : (i + 1) * hb]) for i in range(7)]
-        rest = list(refs[7 * hb :])
+    def unpack(cls, refs, io: blocks.TokenIO) -> BackwardRefs:
+        n = io.refs_per_array
+        tiles = [tuple(refs[i * n : (i + 1) * n]) for i in range(7)]
+        rest = list(refs[7 * n :])
         TA, state_in, dh_final = rest[:3]
         grads, dh0, dS = tuple(rest[3:9]), rest[9], rest[10]
-        stages, sems = tuple(rest[11:17]), rest[17]
-        return cls(*heads, TA, state_in, dh_final, grads, dh0, dS, stages, sems)
+        staging = rest[11:]
+        stages, sems = (tuple(staging[:6]), staging[6]) if staging else ((None,) * 6, None)
+        return cls(*tiles, TA, state_in, dh_final, grads, dh0, dS, stages, sems)
 
 
 def _backward_kernel(*refs, plan: Plan):
-    r = BackwardRefs.unpack(refs, plan)
+    io = blocks.TokenIO(plan, blocks.reverse_step(plan.n_steps))
+    r = BackwardRefs.unpack(refs, io)
     batch, head_group, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     n_steps = pl.num_programs(2)
     step = n_steps - 1 - i
@@ -77,10 +79,10 @@ def _backward_kernel(*refs, plan: Plan):
     def _():
         r.dS[...] = r.dh_final[...]
 
-    q, k, b = (blocks.load_units(x, K, plan) for x in (r.q, r.k, r.b))  # [U, C, K]
-    g_in = blocks.load_units(r.g, K, plan)  # [U, C, K]
+    q, k, b = (io.load(x, K) for x in (r.q, r.k, r.b))  # [U, C, K]
+    g_in = io.load(r.g, K)  # [U, C, K]
     g = cm.clamp_log_decay(g_in)
-    v, w, dO = (blocks.load_units(x, V, plan) for x in (r.v, r.w, r.dO))  # [U, C, V]
+    v, w, dO = (io.load(x, V) for x in (r.v, r.w, r.dO))  # [U, C, V]
     L = cm.chunk_local(q, k, v, w, b, g)
     TA = blocks.unpack_lanes(r.TA[...].astype(F32), plan)  # [U, C, C]
     rr, ss = cm.iota((C, C), 0), cm.iota((C, C), 1)
@@ -154,10 +156,9 @@ def _backward_kernel(*refs, plan: Plan):
     dg = jnp.where(g_in >= cm.G_FLOOR, dg, 0.0)  # the clamp's gradient
     grads = (dq, dk, dZ * w, dZ * v, db, dg)  # B6: dv = dZ ⊙ w, dw = dZ ⊙ v
     copies = []
-    for x, stage, hbm, m in zip(grads, r.stages, r.grads_hbm, range(6), strict=True):
-        copies += blocks.write_heads(
-            blocks.per_head(x, plan), stage, hbm, r.sems.at[m], plan, batch, head_group, step
-        )
+    for m, (x, out, stage) in enumerate(zip(grads, r.grads, r.stages, strict=True)):
+        sems = None if r.sems is None else r.sems.at[m]
+        copies += io.store(x, out, stage, sems, batch, head_group, step)
     for copy in copies:
         copy.wait()
 
@@ -166,7 +167,8 @@ def backward_call(q, k, v, w, b, g, dO, TA, states, dh_final, *, plan: Plan):
     """Kernel-layout inputs and dO, residuals, dh_final -> (dq, dk, dv, dw, db, dg, dh0)."""
     B, H, K, V, hb = plan.batch, plan.heads, plan.dk, plan.dv, plan.hb
     step_of = blocks.reverse_step(plan.n_steps)
-    keys, vals = blocks.token_specs(plan, K, step_of), blocks.token_specs(plan, V, step_of)
+    io = blocks.TokenIO(plan, step_of)
+    keys, vals = io.in_specs(K), io.in_specs(V)
     state = blocks.state_spec(plan)
     in_specs = [
         *keys, *keys, *vals, *vals, *keys, *keys, *vals,  # q k v w b g dO
@@ -177,19 +179,14 @@ def backward_call(q, k, v, w, b, g, dO, TA, states, dh_final, *, plan: Plan):
     dims = (K, K, V, V, K, K)
     out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, w, b, g)]
     out_shape.append(jax.ShapeDtypeStruct((B, H, K, V), F32))  # dh0
-    scratch = [
-        pltpu.VMEM((hb, K, V), F32),  # dS
-        *[pltpu.VMEM((hb, plan.step_len, d), q.dtype) for d in dims],  # gradient staging
-        pltpu.SemaphoreType.DMA((6, hb)),
-    ]
-    heads = lambda x: [x] * hb  # noqa: E731
-    args = [*heads(q), *heads(k), *heads(v), *heads(w), *heads(b), *heads(g), *heads(dO)]
+    scratch = [pltpu.VMEM((hb, K, V), F32), *io.out_scratch(dims, q.dtype)]  # dS; staging
+    args = [a for x in (q, k, v, w, b, g, dO) for a in io.args(x)]
     return pl.pallas_call(
         functools.partial(_backward_kernel, plan=plan),
         out_shape=out_shape,
         grid=plan.grid(),
         in_specs=in_specs,
-        out_specs=[blocks.hbm_spec()] * 6 + [state],
+        out_specs=[io.out_spec(d) for d in dims] + [state],
         scratch_shapes=scratch,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),

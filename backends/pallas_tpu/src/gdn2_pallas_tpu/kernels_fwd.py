@@ -30,31 +30,32 @@ F32 = jnp.float32
 class ForwardRefs:
     """The kernel's refs by role (each token input: one ``(nc C, d)`` ref per head)."""
 
-    q: tuple  # hb x [nc C, K]
-    k: tuple  # hb x [nc C, K]
-    v: tuple  # hb x [nc C, V]
-    w: tuple  # hb x [nc C, V]
-    b: tuple  # hb x [nc C, K]
-    g: tuple  # hb x [nc C, K]
+    q: tuple  # the step's tiles (blocks.TokenIO): hb x [nc C, K], or one [nc C, hb, K]
+    k: tuple
+    v: tuple  # ... V
+    w: tuple
+    b: tuple
+    g: tuple
     h0: object  # [hb, K, V] f32
-    o_hbm: object  # [B, H, t_pad, V] in HBM
+    o: object  # [B, H, t_pad, V] in HBM (HEAD_MAJOR), or the [nc C, hb, V] block
     h_final: object  # [hb, K, V] f32
     TA_out: object | None  # [U / pack, C, pack C] residual: A_qk (lower), T^T (upper), lane-packed
     state_out: object | None  # [hb, K, V] f32: the state entering this step
     # Scratch.
     S: object  # [hb, K, V] f32 the carried state
-    o_stage: object  # [hb, nc C, V] output staging for the DMAs
-    o_sems: object  # DMA semaphores (hb,)
+    o_stage: object | None  # [hb, nc C, V] output staging for the DMAs (HEAD_MAJOR)
+    o_sems: object | None  # DMA semaphores (1, hb) (HEAD_MAJOR)
 
     @classmethod
-    def unpack(cls, refs, plan: Plan, save: bool) -> ForwardRefs:
-        hb = plan.hb
-        heads = [tuple(refs[i * hb : (i + 1) * hb]) for i in range(6)]
-        rest = list(refs[6 * hb :])
-        h0, o_hbm, h_final = rest[:3]
+    def unpack(cls, refs, io: blocks.TokenIO, save: bool) -> ForwardRefs:
+        n = io.refs_per_array
+        tiles = [tuple(refs[i * n : (i + 1) * n]) for i in range(6)]
+        rest = list(refs[6 * n :])
+        h0, o, h_final = rest[:3]
         saved = rest[3:5] if save else [None, None]
-        S, o_stage, o_sems = rest[5:] if save else rest[3:]
-        return cls(*heads, h0, o_hbm, h_final, *saved, S, o_stage, o_sems)
+        S, *staging = rest[5:] if save else rest[3:]
+        o_stage, o_sems = staging if staging else (None, None)
+        return cls(*tiles, h0, o, h_final, *saved, S, o_stage, o_sems)
 
 
 def pack_residual(T: jax.Array, A_qk: jax.Array) -> jax.Array:
@@ -67,7 +68,8 @@ def pack_residual(T: jax.Array, A_qk: jax.Array) -> jax.Array:
 
 
 def _forward_kernel(*refs, plan: Plan, save: bool):
-    r = ForwardRefs.unpack(refs, plan, save)
+    io = blocks.TokenIO(plan, blocks.forward_step)
+    r = ForwardRefs.unpack(refs, io, save)
     batch, head_group, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     K, V, p = plan.dk, plan.dv, plan.precisions
 
@@ -78,9 +80,9 @@ def _forward_kernel(*refs, plan: Plan, save: bool):
     if save:
         r.state_out[...] = r.S[...]
 
-    q, k, b = (blocks.load_units(x, K, plan) for x in (r.q, r.k, r.b))  # [U, C, K]
-    g = cm.clamp_log_decay(blocks.load_units(r.g, K, plan))  # [U, C, K]
-    v, w = (blocks.load_units(x, V, plan) for x in (r.v, r.w))  # [U, C, V]
+    q, k, b = (io.load(x, K) for x in (r.q, r.k, r.b))  # [U, C, K]
+    g = cm.clamp_log_decay(io.load(r.g, K))  # [U, C, K]
+    v, w = (io.load(x, V) for x in (r.v, r.w))  # [U, C, V]
     L = cm.chunk_local(q, k, v, w, b, g)
     A_kk, A_qk = cm.scores(L.E, q, k, L.levels, p.scores)  # [U, C, C] F4
     T = cm.wy_inverse(A_kk, plan.wy_eps, p.inverse)  # [U, C, C] F5
@@ -103,8 +105,9 @@ def _forward_kernel(*refs, plan: Plan, save: bool):
         r.S[...] = blocks.chunk_of(L.decay_C_col, j, plan) * S + mm_tn(
             blocks.chunk_of(L.K_tilde, j, plan), R, p.state
         )  # [hb, K, V] F9
-    o = blocks.per_head(blocks.stack_chunks(outs, plan), plan)  # [hb, nc C, V]
-    copies = blocks.write_heads(o, r.o_stage, r.o_hbm, r.o_sems, plan, batch, head_group, step)
+    o = blocks.stack_chunks(outs, plan)  # [U, C, V]
+    sems = None if r.o_sems is None else r.o_sems.at[0]
+    copies = io.store(o, r.o, r.o_stage, sems, batch, head_group, step)
 
     @pl.when(step == pl.num_programs(2) - 1)
     def _():
@@ -115,17 +118,18 @@ def _forward_kernel(*refs, plan: Plan, save: bool):
 
 
 def forward_call(q, k, v, w, b, g, h0, *, plan: Plan, save: bool):
-    """Kernel-layout inputs ``(B, H, t_pad, d)`` and h0 ``(B, H, K, V)`` f32 ->
+    """Kernel-layout inputs (blocks.TokenIO) and h0 ``(B, H, K, V)`` f32 ->
     ``(o, h_final)``, plus ``(T, A_qk, states)`` residuals when ``save``."""
     B, H, K, V, hb = plan.batch, plan.heads, plan.dk, plan.dv, plan.hb
     step_of = blocks.forward_step
-    keys, vals = blocks.token_specs(plan, K, step_of), blocks.token_specs(plan, V, step_of)
+    io = blocks.TokenIO(plan, step_of)
+    keys, vals = io.in_specs(K), io.in_specs(V)
     state = blocks.state_spec(plan)
     out_shape = [
-        jax.ShapeDtypeStruct((B, H, plan.t_pad, V), v.dtype),  # o
+        jax.ShapeDtypeStruct(v.shape, v.dtype),  # o, in v's kernel layout
         jax.ShapeDtypeStruct((B, H, K, V), F32),  # h_final
     ]
-    out_specs = [blocks.hbm_spec(), state]
+    out_specs = [io.out_spec(V), state]
     if save:
         res = (B, plan.head_groups, plan.n_steps)
         out_shape += [
@@ -136,12 +140,7 @@ def forward_call(q, k, v, w, b, g, h0, *, plan: Plan, save: bool):
             blocks.residual_spec(plan, plan.residual_block, step_of),
             blocks.residual_spec(plan, (hb, K, V), step_of),
         ]
-    scratch = [
-        pltpu.VMEM((hb, K, V), F32),  # S
-        pltpu.VMEM((hb, plan.step_len, V), v.dtype),  # o staging
-        pltpu.SemaphoreType.DMA((hb,)),
-    ]
-    heads = lambda x: [x] * hb  # noqa: E731 - each head's BlockSpec reads the same array
+    scratch = [pltpu.VMEM((hb, K, V), F32), *io.out_scratch([V], v.dtype)]  # S; o staging
     return pl.pallas_call(
         functools.partial(_forward_kernel, plan=plan, save=save),
         out_shape=out_shape,
@@ -156,4 +155,4 @@ def forward_call(q, k, v, w, b, g, h0, *, plan: Plan, save: bool):
         cost_estimate=pl.CostEstimate(**cost_forward(plan, save)),
         interpret=blocks.interpret_params(plan),
         name="gdn2_fwd_train" if save else "gdn2_fwd",
-    )(*heads(q), *heads(k), *heads(v), *heads(w), *heads(b), *heads(g), h0)
+    )(*io.args(q), *io.args(k), *io.args(v), *io.args(w), *io.args(b), *io.args(g), h0)

@@ -7,8 +7,8 @@ each other; only the state pass is sequential (``nc`` steps of one ``[K, V]`` up
 Measured by the TPU compiler's static cycle estimate (``gdn2 tpu-report``, v5e, bf16, B=8 T=4096
 H=6 d=128): one unit per step costs about 4x the cycles of ``hb=6, nc=4`` per chunk. So:
 
-- ``hb``: the largest divisor of H not above ``MAX_HEADS_PER_STEP`` (each head is its own DMA:
-  head-strided blocks are not what the TPU profiler models, and separate blocks cost nothing);
+- ``hb``: the largest divisor of H not above ``MAX_HEADS_PER_STEP`` (8); the layout of the token
+  arrays follows from H (:class:`Layout`);
 - ``nc``: up to ``MAX_UNITS // hb`` chunks (at most the chunks there are), reduced until the VMEM
   byte model fits the budget.
 
@@ -25,6 +25,7 @@ nc=4) it is about 36 MiB forward and 56 MiB backward: VMEM is 128 MiB per core o
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Final
 
@@ -35,8 +36,9 @@ from gdn2_pallas_tpu.matmul import MatmulPrecision
 from gdn2core.plugin import KernelConfig, OpSpec
 
 F32_BYTES: Final = 4
-#: Lanes of a vector register (the minor dimension of every TPU tile).
+#: Lanes and (float32) sublanes of a vector register: the TPU tile.
 NUM_LANES: Final = 128
+NUM_SUBLANES: Final = 8
 #: Heads per grid step at most.
 MAX_HEADS_PER_STEP: Final = 8
 #: Units (head-chunks) per grid step at most: more adds VMEM but no measured speed.
@@ -83,6 +85,25 @@ def vmem_capacity_bytes(like: jax.Array | None = None) -> int:
     return DEFAULT_VMEM_CAPACITY
 
 
+class Layout(enum.Enum):
+    """How the kernels read the token arrays (blocks.py has the details).
+
+    ``HEAD_MAJOR``: ``(B, H, T, d)``, a swap of the public ``(B, T, H, d)``. For H not a multiple
+    of 8, XLA already stores the public array that way (a (H, d) tile would pad H to 8 sublanes),
+    so the swap is a bitcast. One DMA per head of a step; outputs by manual per-head DMAs.
+    ``TOKEN_MAJOR``: the public ``(B, T, H, d)`` itself, in blocks of ``(nc C, 8, d)``: 8 heads
+    per DMA and per step, swapped to head-major in VMEM. For H a multiple of 8, where XLA keeps
+    the public layout and a swap would be a copy of every input and gradient through HBM.
+    """
+
+    HEAD_MAJOR = "head-major"
+    TOKEN_MAJOR = "token-major"
+
+
+def layout_for(heads: int) -> Layout:
+    return Layout.TOKEN_MAJOR if heads % NUM_SUBLANES == 0 else Layout.HEAD_MAJOR
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Precisions:
     """The MXU precision of each group of products (matmul.py)."""
@@ -118,6 +139,7 @@ class Plan:
     scale: float
     wy_eps: float
     C: int  # chunk length
+    layout: Layout
     hb: int  # heads per grid step
     nc: int  # chunks per grid step
     precisions: Precisions
@@ -213,6 +235,7 @@ def make_plan(
     precs = precisions_for(spec.dtype) if precisions is None else precisions
     budget = int(VMEM_PLAN_SHARE * capacity)
     C = int(config.bt)
+    layout = layout_for(spec.heads)
     hb = max(d for d in range(1, min(spec.heads, MAX_HEADS_PER_STEP) + 1) if spec.heads % d == 0)
     n_chunks = max(1, math.ceil(spec.seq_len / C))
     nc = max(1, min(MAX_CHUNKS_PER_STEP, MAX_UNITS // hb, n_chunks))
@@ -227,6 +250,7 @@ def make_plan(
             scale=float(spec.scale),
             wy_eps=float(config.wy_eps),
             C=C,
+            layout=layout,
             hb=hb,
             nc=nc,
             precisions=precs.for_interpret() if config.interpret else precs,
@@ -238,8 +262,9 @@ def make_plan(
             return plan
         if nc > 1:
             nc //= 2
-        else:
+        else:  # fewer heads per step: the token-major blocks need 8
             hb = max(d for d in range(1, hb) if spec.heads % d == 0)
+            layout = Layout.HEAD_MAJOR
 
 
 def check_plan(spec: OpSpec, config: KernelConfig) -> str | None:

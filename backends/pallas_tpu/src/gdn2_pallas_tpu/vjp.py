@@ -6,6 +6,11 @@ writes for the backward: ``T`` and ``A_qk`` of every chunk, packed into one matr
 round them to, see plan.py) and the float32 state entering every grid step. The backward recomputes
 the rest (decay factors, ``Y``, ``U``, the states inside a step) in VMEM.
 
+``jax.vmap``: the kernels write their outputs with manual DMAs indexed by grid position, which
+Pallas's own batching of a ``pallas_call`` would not re-index. A vmapped call therefore folds the
+mapped axis into the batch axis B (every kernel argument leads with B) and runs the kernels once
+(:func:`_fold_vmap`).
+
 Platform guard: the kernels are TPU kernels. Unless ``plan.interpret``, each call goes through
 ``lax.platform_dependent``: the TPU branch runs the kernel, any other platform a callback that
 raises at run time with the fix. The branch is chosen at lowering time, so
@@ -21,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gdn2_pallas_tpu.blocks import from_kernel, to_kernel
+from gdn2_pallas_tpu.blocks import TokenIO, forward_step
 from gdn2_pallas_tpu.kernels_bwd import backward_call
 from gdn2_pallas_tpu.kernels_fwd import forward_call
 from gdn2_pallas_tpu.plan import Plan
@@ -42,12 +47,12 @@ CPU_MESSAGE = (
 class Residuals:
     """What the backward reads from the forward (token arrays in kernel layout, blocks.py)."""
 
-    q: jax.Array  # [B, H, t_pad, K]
-    k: jax.Array  # [B, H, t_pad, K]
-    v: jax.Array  # [B, H, t_pad, V]
-    w: jax.Array  # [B, H, t_pad, V]
-    b: jax.Array  # [B, H, t_pad, K]
-    g: jax.Array  # [B, H, t_pad, K]
+    q: jax.Array  # [B, H, t_pad, K] (HEAD_MAJOR) or [B, t_pad, H, K] (TOKEN_MAJOR)
+    k: jax.Array
+    v: jax.Array  # ... V
+    w: jax.Array
+    b: jax.Array
+    g: jax.Array
     TA: jax.Array  # [B, H / hb, n_steps, U, C, C] A_qk (lower) and T^T (strictly upper) per chunk
     states: jax.Array  # [B, H / hb, n_steps, hb, K, V] f32 state entering every step
 
@@ -68,11 +73,38 @@ def _on_tpu_only(fn, plan: Plan, *args):
     return lax.platform_dependent(*args, tpu=fn, default=other)
 
 
+def _fold_vmap(kernel_call, plan: Plan):
+    """``kernel_call(*args, plan=plan)`` (all args and results lead with B), under ``jax.vmap``
+    run once on the mapped axis folded into B."""
+
+    @jax.custom_batching.custom_vmap
+    def call(*args):
+        return tuple(kernel_call(*args, plan=plan))
+
+    @call.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        args = [
+            x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+            for x, batched in zip(args, in_batched, strict=True)
+        ]
+        folded = [x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in args]
+        plan_n = dataclasses.replace(plan, batch=axis_size * plan.batch)
+        outs = _fold_vmap(kernel_call, plan_n)(*folded)
+        outs = tuple(y.reshape(axis_size, plan.batch, *y.shape[1:]) for y in outs)
+        return outs, (True,) * len(outs)
+
+    return call
+
+
+def _io(plan: Plan) -> TokenIO:
+    return TokenIO(plan, forward_step)
+
+
 def _forward(q, k, v, w, b, g, h0, plan: Plan, save: bool):
-    xs = [to_kernel(x, plan) for x in (q, k, v, w, b, g)]
-    call = functools.partial(forward_call, plan=plan, save=save)
+    xs = [_io(plan).to_kernel(x) for x in (q, k, v, w, b, g)]
+    call = _fold_vmap(functools.partial(forward_call, save=save), plan)
     outs = _on_tpu_only(call, plan, *xs, h0.astype(jnp.float32))
-    return from_kernel(outs[0], plan), outs[1], xs, outs[2:]
+    return _io(plan).from_kernel(outs[0]), outs[1], xs, outs[2:]
 
 
 def gdn2_pallas_forward(q, k, v, w, b, g, h0, plan: Plan):
@@ -94,8 +126,8 @@ def _vjp_fwd(q, k, v, w, b, g, h0, plan: Plan):
 
 def _vjp_bwd(plan: Plan, res: Residuals, cotangents):
     do, dh_final = cotangents
-    do_k = to_kernel(do.astype(res.v.dtype), plan)
-    call = functools.partial(backward_call, plan=plan)
+    do_k = _io(plan).to_kernel(do.astype(res.v.dtype))
+    call = _fold_vmap(backward_call, plan)
     *grads, dh0 = _on_tpu_only(
         call,
         plan,
@@ -105,7 +137,7 @@ def _vjp_bwd(plan: Plan, res: Residuals, cotangents):
         res.states,
         dh_final.astype(jnp.float32),
     )
-    return (*(from_kernel(x, plan) for x in grads), dh0)
+    return (*(_io(plan).from_kernel(x) for x in grads), dh0)
 
 
 gdn2_pallas_trainable.defvjp(_vjp_fwd, _vjp_bwd)

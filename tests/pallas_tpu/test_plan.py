@@ -1,0 +1,100 @@
+"""The static plan of a call: blocking, VMEM byte model (an upper bound of what the TPU compiler
+needs), cost formulas. Compile-time analysis only."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from gdn2_pallas_tpu import cost
+from gdn2_pallas_tpu.kernels_bwd import backward_call
+from gdn2_pallas_tpu.kernels_fwd import forward_call
+from gdn2_pallas_tpu.plan import MAX_UNITS, make_plan, vmem_bytes
+from gdn2core import DEFAULT_CONFIG, KAGGLE_LARGE, KernelConfig
+from gdn2core.spec import OpSpec
+
+V5E = 128 * 2**20  # per-core VMEM of v5e and v6e
+
+
+@pytest.mark.parametrize(
+    ("H", "T", "hb", "nc"),
+    [
+        (6, 4096, 6, 4),
+        (16, 4096, 8, 3),
+        (3, 4096, 3, 4),
+        (6, 100, 6, 2),
+        (2, 1, 2, 1),
+        (7, 512, 7, 3),
+    ],
+)
+def test_blocking(H, T, hb, nc):
+    plan = make_plan(OpSpec(1, T, H, 128, 128, "bfloat16", 1.0), DEFAULT_CONFIG, V5E)
+    assert (plan.hb, plan.nc) == (hb, nc)
+    assert plan.units <= MAX_UNITS and plan.t_pad % plan.step_len == 0 and plan.t_pad >= T
+
+
+def test_blocking_shrinks_to_fit_a_small_vmem():
+    big = make_plan(OpSpec(1, 4096, 6, 256, 256, "float32", 1.0), KAGGLE_LARGE, V5E)
+    small = make_plan(OpSpec(1, 4096, 6, 256, 256, "float32", 1.0), KAGGLE_LARGE, 16 * 2**20)
+    assert small.units < big.units
+    assert vmem_bytes(small, True)["total"] <= 0.9 * 16 * 2**20 or small.units == 1
+
+
+def _sds(shape, dtype):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from gdn2_tools.tpu import topology_mesh
+
+    sharding = NamedSharding(topology_mesh("v5e:1x1"), PartitionSpec())
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_vmem_byte_model_is_enough_for_the_compiler(dtype):
+    """Both kernels compile with ``vmem_limit_bytes`` set to the byte model's total: the model
+    does not under-count what Mosaic allocates (it is planned against 90% of the chip's VMEM)."""
+    spec = OpSpec(1, 512, 6, 128, 128, dtype, 128**-0.5)
+    plan = make_plan(spec, DEFAULT_CONFIG, V5E)
+    K, V, hb = plan.dk, plan.dv, plan.hb
+    key = _sds((1, 6, plan.t_pad, K), dtype)
+    val = _sds((1, 6, plan.t_pad, V), dtype)
+    state = _sds((1, 6, K, V), "float32")
+    steps = (1, plan.head_groups, plan.n_steps)
+    packed = _sds((*steps, *plan.residual_block), plan.residual_dtype)
+    states = _sds((*steps, hb, K, V), "float32")
+    for backward in (False, True):
+        limit = dataclasses.replace(plan, vmem_limit_bytes=vmem_bytes(plan, backward)["total"])
+        if backward:
+            args = (key, key, val, val, key, key, val, packed, states, state)
+            fn = lambda *a: backward_call(*a, plan=limit)  # noqa: E731
+        else:
+            args = (key, key, val, val, key, key, state)
+            fn = lambda *a: forward_call(*a, plan=limit, save=True)  # noqa: E731
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).compile().as_text()
+        assert "tpu_custom_call" in text
+
+
+def test_cost_counts_scale_with_tokens():
+    spec = OpSpec(2, 1024, 6, 128, 128, "bfloat16", 1.0)
+    plan = make_plan(spec, DEFAULT_CONFIG, V5E)
+    double = make_plan(dataclasses.replace(spec, seq_len=2048), DEFAULT_CONFIG, V5E)
+    for fn in (lambda p: cost.cost_forward(p, True), cost.cost_backward):
+        one, two = fn(plan), fn(double)
+        assert two["flops"] == 2 * one["flops"]
+        assert two["transcendentals"] == 2 * one["transcendentals"]
+    # the level scheme's forward FLOPs per token at C = 64, K = V = 128 (cost.py's formula)
+    levels = 4 * 6 * 64 * 128 + 4 * 6 * 64 * 64  # scores, WY inverse
+    assert (
+        cost.flops_forward_per_token(plan) == levels + 2 * 64 * 256 + 6 * 128 * 128 + 2 * 64 * 128
+    )
+
+
+def test_config_blocking_fields_other_than_bt_do_not_change_the_plan():
+    spec = OpSpec(1, 256, 2, 64, 64, "float32", 0.125)
+    a = make_plan(spec, KernelConfig(bt=32, bc=16, mb=8), V5E)
+    b = make_plan(spec, KernelConfig(bt=32, bc=16, mb=4, clip=10.0), V5E)
+    assert a == b
