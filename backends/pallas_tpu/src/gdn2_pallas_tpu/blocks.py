@@ -27,12 +27,16 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gdn2_pallas_tpu.plan import Layout, Plan
 
 F32 = jnp.float32
+#: Index-map block index 0, as int32: a Python 0 is an int64 under ``jax_enable_x64``, which the
+#: index maps' lowering rejects.
+I0 = np.int32(0)
 
 
 def forward_step(step):
@@ -51,22 +55,22 @@ def reverse_step(n_steps: int):
 
 def _head_tile_index(batch, head_group, step, *, head: int, hb: int, step_of: Callable):
     """HEAD_MAJOR: the tile of head ``head_group * hb + head``, tokens of step ``step_of(step)``."""
-    return (batch, head_group * hb + head, step_of(step), 0)
+    return (batch, head_group * hb + head, step_of(step), I0)
 
 
 def _token_block_index(batch, head_group, step, *, step_of: Callable):
     """TOKEN_MAJOR: the ``(nc C, hb, d)`` block of step ``step_of(step)``, heads of the group."""
-    return (batch, step_of(step), head_group, 0)
+    return (batch, step_of(step), head_group, I0)
 
 
 def _state_index(batch, head_group, step):
     """The ``hb`` consecutive heads' ``[K, V]`` states of a head group (contiguous)."""
-    return (batch, head_group, 0, 0)
+    return (batch, head_group, I0, I0)
 
 
 def _residual_index(batch, head_group, step, *, step_of: Callable):
     """A step's residual block: one contiguous block per grid step."""
-    return (batch, head_group, step_of(step), 0, 0, 0)
+    return (batch, head_group, step_of(step), I0, I0, I0)
 
 
 class TokenIO:
@@ -132,7 +136,7 @@ class TokenIO:
         stage[...] = x.astype(stage.dtype)
         rows = pl.ds(step * plan.step_len, plan.step_len)
         copies = []
-        for j in range(plan.hb):
+        for j in map(jnp.int32, range(plan.hb)):  # int32 also under jax_enable_x64
             copy = pltpu.make_async_copy(
                 stage.at[j], out.at[batch, head_group * plan.hb + j, rows], sems.at[j]
             )

@@ -29,12 +29,16 @@ from typing import Final
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 from gdn2_pallas_tpu.matmul import MatmulPrecision, mm, mm_nt, mm_tn
 
 F32 = jnp.float32
+#: A float32 zero for ``jnp.where``: a Python 0.0 would be a float64 constant inside the kernel
+#: under ``jax_enable_x64``, which Mosaic cannot lower.
+ZERO: Final = np.float32(0.0)
 #: Rows of one float32 vector register (a sublane tile).
 NUM_SUBLANES: Final = 8
 #: Log decays below this are raised to it. ``exp`` of anything below about -103.3 is exactly 0 in
@@ -51,7 +55,7 @@ def iota(shape: tuple[int, ...], dim: int) -> jax.Array:
 def roll_rows(x: jax.Array, shift: int) -> jax.Array:
     """``out[:, r] = x[:, r - shift]`` along the row axis (cyclic; callers mask the wrap)."""
     C = x.shape[1]
-    return pltpu.roll(x, shift % C, 1)
+    return pltpu.roll(x, jnp.int32(shift % C), 1)  # int32 also under jax_enable_x64
 
 
 def cumsum_rows(x: jax.Array, reverse: bool = False) -> jax.Array:
@@ -62,9 +66,9 @@ def cumsum_rows(x: jax.Array, reverse: bool = False) -> jax.Array:
     shift = 1
     while shift < C:
         if reverse:
-            x = x + jnp.where(rows < C - shift, roll_rows(x, -shift), 0.0)
+            x = x + jnp.where(rows < C - shift, roll_rows(x, -shift), ZERO)
         else:
-            x = x + jnp.where(rows >= shift, roll_rows(x, shift), 0.0)
+            x = x + jnp.where(rows >= shift, roll_rows(x, shift), ZERO)
         shift *= 2
     return x
 
@@ -111,12 +115,12 @@ class Level:
     @property
     def row_factor(self) -> jax.Array:
         """[U, C, K]: the factor of the later row r of a pair (0 on upper rows)."""
-        return jnp.where(self.lower, self.F, 0.0)
+        return jnp.where(self.lower, self.F, ZERO)
 
     @property
     def col_factor(self) -> jax.Array:
         """[U, C, K]: the factor of the earlier row s of a pair (0 on lower rows)."""
-        return jnp.where(self.lower, 0.0, self.F)
+        return jnp.where(self.lower, ZERO, self.F)
 
 
 def decay_levels(gamma_cum: jax.Array, g: jax.Array) -> list[Level]:
@@ -128,7 +132,7 @@ def decay_levels(gamma_cum: jax.Array, g: jax.Array) -> list[Level]:
         h = 1 << level
         lower = (rows & h) != 0
         if h == 1:  # p = r for odd r (factor 1); even s pairs with p = s + 1: exp(g_(s+1))
-            expo = jnp.where(lower, 0.0, roll_rows(g, -1))
+            expo = jnp.where(lower, ZERO, roll_rows(g, -1))
         else:
             ref = _reference_rows(gamma_cum, h)
             expo = jnp.where(lower, gamma_cum - ref, ref - gamma_cum)  # <= 0 on both halves
@@ -209,7 +213,7 @@ def wy_inverse(A_kk: jax.Array, wy_eps: float, precision: MatmulPrecision) -> ja
     eye = (iota((C, C), 0) == iota((C, C), 1)).astype(F32)
     T = jnp.broadcast_to(eye / (1.0 + wy_eps), (U, C, C))  # [U, C, C] level 0: the diagonal
     for level in range(n_levels(C)):
-        A_l = jnp.where(level_pairs(C, level), A_kk, 0.0)  # [U, C, C]
+        A_l = jnp.where(level_pairs(C, level), A_kk, ZERO)  # [U, C, C]
         T = T - mm(T, mm(A_l, T, precision), precision)
     return T
 
@@ -242,7 +246,7 @@ def score_backward(
     dK_s = jnp.zeros((U, C, K), F32)
     for level, lv in enumerate(levels):
         here = level_pairs(C, level)  # [C, C]
-        P = jnp.concatenate([jnp.where(here, P_qk, 0.0), jnp.where(here, P_kk, 0.0)], axis=1)
+        P = jnp.concatenate([jnp.where(here, P_qk, ZERO), jnp.where(here, P_kk, ZERO)], axis=1)
         row_f, col_f = lv.row_factor, lv.col_factor  # [U, C, K]
         rho = mm(P, k * col_f, precision)  # [U, 2C, K]
         dQ_s = dQ_s + row_f * rho[:, :C]
@@ -250,5 +254,5 @@ def score_backward(
         X = jnp.concatenate([q * row_f, E * row_f], axis=1)  # [U, 2C, K]
         dK_s = dK_s + col_f * mm_tn(P, X, precision)  # [U, C, K]
     eye = iota((C, C), 0) == iota((C, C), 1)
-    diag_qk = jnp.sum(jnp.where(eye, P_qk, 0.0), axis=2, keepdims=True)  # [U, C, 1]
+    diag_qk = jnp.sum(jnp.where(eye, P_qk, ZERO), axis=2, keepdims=True)  # [U, C, 1]
     return ScoreGrads(dQ_s, dE_s, dK_s, diag_qk)

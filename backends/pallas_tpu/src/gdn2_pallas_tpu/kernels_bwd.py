@@ -20,6 +20,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -86,8 +87,10 @@ def _backward_kernel(*refs, plan: Plan):
     L = cm.chunk_local(q, k, v, w, b, g)
     TA = blocks.unpack_lanes(r.TA[...].astype(F32), plan)  # [U, C, C]
     rr, ss = cm.iota((C, C), 0), cm.iota((C, C), 1)
-    A_qk = jnp.where(ss <= rr, TA, 0.0)  # [U, C, C]
-    T_t = jnp.where(ss > rr, TA, jnp.where(ss == rr, 1.0 / (1.0 + plan.wy_eps), 0.0))  # T^T
+    A_qk = jnp.where(ss <= rr, TA, cm.ZERO)  # [U, C, C]
+    T_t = jnp.where(
+        ss > rr, TA, jnp.where(ss == rr, np.float32(1.0 / (1.0 + plan.wy_eps)), cm.ZERO)
+    )  # T^T
     YU = mm_tn(T_t, jnp.concatenate([L.E_bar, L.Z], axis=2), p.wy)  # [U, C, K + V] F6: T [Ē | Z]
     Y, U = YU[:, :, :K], YU[:, :, K:]
 
@@ -125,7 +128,7 @@ def _backward_kernel(*refs, plan: Plan):
     R = blocks.stack_chunks(R_all, plan)  # [U, C, V]
     dS = blocks.stack_chunks(dS_out, plan)  # [U, K, V] w.r.t. the state leaving the chunk
     dR = blocks.stack_chunks(dR_all, plan)  # [U, C, V]
-    P_qk = scale * jnp.where(ss <= rr, mm_nt(dO, R, p.grads), 0.0)  # [U, C, C] B1
+    P_qk = scale * jnp.where(ss <= rr, mm_nt(dO, R, p.grads), cm.ZERO)  # [U, C, C] B1
     dQ_tilde = scale * mm_nt(dO, S, p.grads)  # [U, C, K] B2
     dY = -mm_nt(dR, S, p.grads)  # [U, C, K]
     dK_tilde = mm_nt(R, dS, p.grads)  # [U, C, K] B3
@@ -133,7 +136,7 @@ def _backward_kernel(*refs, plan: Plan):
     d_decay_C = mm_nt(ones, S * dS, MatmulPrecision.F32)  # [U, 1, K] row sums of S ⊙ dS
     dEZ = mm(T_t, jnp.concatenate([dY, dR], axis=2), p.grads)  # [U, C, K + V] B4: T^T [dY | dU]
     dE_bar, dZ = dEZ[:, :, :K], dEZ[:, :, K:]
-    P_kk = -jnp.where(ss < rr, mm_nt(dEZ, YU, p.grads), 0.0)  # [U, C, C] B5
+    P_kk = -jnp.where(ss < rr, mm_nt(dEZ, YU, p.grads), cm.ZERO)  # [U, C, C] B5
     sg = cm.score_backward(P_qk, P_kk, q, k, L.E, L.levels, p.score_grads)  # B7
 
     dE = dE_bar * L.e_gamma + sg.dE_s  # [U, C, K] B8
@@ -145,19 +148,19 @@ def _backward_kernel(*refs, plan: Plan):
         dQ_tilde * L.Q_tilde + dE_bar * L.E_bar + q * sg.dQ_s + L.E * sg.dE_s - k * sg.dK_s
     )  # [U, C, K] B9 without the K̃ terms
     last_row = cm.iota(d_gamma.shape, 1) == C - 1
-    d_gamma = d_gamma + jnp.where(last_row, d_decay_C * L.decay_C, 0.0)  # γ_C = exp(Γ_C)
+    d_gamma = d_gamma + jnp.where(last_row, d_decay_C * L.decay_C, cm.ZERO)  # γ_C = exp(Γ_C)
     # B10. K̃_r = exp(g_(r+1) + ... + g_C) k_r, so dK̃_r ⊙ K̃_r reaches dg_t for t > r only: an
     # exclusive forward cumsum, rather than "-dK̃⊙K̃ at row r, their sum at row C" cancelling
     # through the reverse cumsum (K̃ of the last real token has factor exp(0), also when the
     # chunk ends in padding).
     rows = cm.iota(dKK.shape, 1)
-    dKK_before = cm.cumsum_rows(jnp.where(rows >= 1, cm.roll_rows(dKK, 1), 0.0))  # sum_(r<t)
+    dKK_before = cm.cumsum_rows(jnp.where(rows >= 1, cm.roll_rows(dKK, 1), cm.ZERO))  # sum_(r<t)
     dg = cm.cumsum_rows(d_gamma, reverse=True) + dKK_before
-    dg = jnp.where(g_in >= cm.G_FLOOR, dg, 0.0)  # the clamp's gradient
+    dg = jnp.where(g_in >= cm.G_FLOOR, dg, cm.ZERO)  # the clamp's gradient
     grads = (dq, dk, dZ * w, dZ * v, db, dg)  # B6: dv = dZ ⊙ w, dw = dZ ⊙ v
     copies = []
     for m, (x, out, stage) in enumerate(zip(grads, r.grads, r.stages, strict=True)):
-        sems = None if r.sems is None else r.sems.at[m]
+        sems = None if r.sems is None else r.sems.at[jnp.int32(m)]
         copies += io.store(x, out, stage, sems, batch, head_group, step)
     for copy in copies:
         copy.wait()

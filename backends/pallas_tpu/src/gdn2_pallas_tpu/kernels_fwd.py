@@ -106,7 +106,7 @@ def _forward_kernel(*refs, plan: Plan, save: bool):
             blocks.chunk_of(L.K_tilde, j, plan), R, p.state
         )  # [hb, K, V] F9
     o = blocks.stack_chunks(outs, plan)  # [U, C, V]
-    sems = None if r.o_sems is None else r.o_sems.at[0]
+    sems = None if r.o_sems is None else r.o_sems.at[jnp.int32(0)]
     copies = io.store(o, r.o, r.o_stage, sems, batch, head_group, step)
 
     @pl.when(step == pl.num_programs(2) - 1)

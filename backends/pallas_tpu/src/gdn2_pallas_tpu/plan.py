@@ -9,8 +9,8 @@ H=6 d=128): one unit per step costs about 4x the cycles of ``hb=6, nc=4`` per ch
 
 - ``hb``: the largest divisor of H not above ``MAX_HEADS_PER_STEP`` (8); the layout of the token
   arrays follows from H (:class:`Layout`);
-- ``nc``: up to ``MAX_UNITS // hb`` chunks (at most the chunks there are), reduced until the VMEM
-  byte model fits the budget.
+- ``nc``: up to ``MAX_STEP_ROWS / (hb C)`` chunks, preferring a divisor of the number of chunks
+  (no padding), reduced until the VMEM byte model fits the budget.
 
 The sequence is padded at the end with zero tokens (``k = 0, g = 0`` leave the state unchanged) to
 a whole number of steps, ``t_pad = ceil(T / (nc C)) nc C``.
@@ -41,10 +41,11 @@ NUM_LANES: Final = 128
 NUM_SUBLANES: Final = 8
 #: Heads per grid step at most.
 MAX_HEADS_PER_STEP: Final = 8
-#: Units (head-chunks) per grid step at most: more adds VMEM but no measured speed.
-MAX_UNITS: Final = 24
+#: Rows (tokens x heads) of a grid step at most: 24 units of C = 64 (4 chunks of 6 heads), the
+#: measured best at the train shape; more adds VMEM but no speed.
+MAX_STEP_ROWS: Final = 24 * 64
 #: Chunks per grid step at most (the sequential state pass is nc steps long).
-MAX_CHUNKS_PER_STEP: Final = 4
+MAX_CHUNKS_PER_STEP: Final = 8
 #: Chunk lengths the level scheme takes: powers of two (levels), sublane aligned, MXU sized.
 SUPPORTED_CHUNKS: Final = (16, 32, 64, 128)
 SUPPORTED_HEAD_SIZES: Final = (64, 128, 256)
@@ -101,6 +102,7 @@ class Layout(enum.Enum):
 
 
 def layout_for(heads: int) -> Layout:
+    """TOKEN_MAJOR where XLA keeps the public layout: H a multiple of 8 (float32 and bfloat16)."""
     return Layout.TOKEN_MAJOR if heads % NUM_SUBLANES == 0 else Layout.HEAD_MAJOR
 
 
@@ -238,7 +240,12 @@ def make_plan(
     layout = layout_for(spec.heads)
     hb = max(d for d in range(1, min(spec.heads, MAX_HEADS_PER_STEP) + 1) if spec.heads % d == 0)
     n_chunks = max(1, math.ceil(spec.seq_len / C))
-    nc = max(1, min(MAX_CHUNKS_PER_STEP, MAX_UNITS // hb, n_chunks))
+    # nc divides the chunks when it can: a partial last step would pad every token array (a copy
+    # through HBM), and T a multiple of C then needs no padding at all.
+    nc_max = max(1, min(MAX_CHUNKS_PER_STEP, MAX_STEP_ROWS // (hb * C), n_chunks))
+    nc = max(d for d in range(1, nc_max + 1) if n_chunks % d == 0)
+    if nc < nc_max // 2:  # e.g. a prime number of chunks: pad rather than lose the batching
+        nc = nc_max
     while True:
         plan = Plan(
             batch=spec.batch,
