@@ -83,10 +83,6 @@ PENDING = {
     "backends/jax_ref/src/gdn2_jax_ref/local.py",
     "backends/jax_ref/src/gdn2_jax_ref/scores.py",
     "backends/jax_ref/src/gdn2_jax_ref/wy.py",
-    "backends/pallas_tpu/src/gdn2_pallas_tpu/chunk_math.py",
-    "backends/pallas_tpu/src/gdn2_pallas_tpu/config.py",
-    "backends/pallas_tpu/src/gdn2_pallas_tpu/kernels_bwd.py",
-    "backends/pallas_tpu/src/gdn2_pallas_tpu/layout.py",
 }
 
 
