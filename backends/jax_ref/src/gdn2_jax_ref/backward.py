@@ -21,7 +21,7 @@ from jaxtyping import Array, Float
 
 from gdn2_jax_ref.chunk import load_group, pad_time, store_group
 from gdn2_jax_ref.forward import entry_states, plan_blocking
-from gdn2_jax_ref.local import ChunkLocal, chunk_local, cumsum_rows
+from gdn2_jax_ref.local import LOG_DECAY_FLOOR, ChunkLocal, chunk_local, cumsum_rows
 from gdn2_jax_ref.params import ChunkParams, einsum
 from gdn2_jax_ref.scores import score_kappa, score_rho
 from gdn2core.diagnostics import probe
@@ -61,6 +61,7 @@ def chunk_grads(
     vc: Float[Array, "G B H C V"],
     wc: Float[Array, "G B H C V"],
     bc: Float[Array, "G B H C K"],
+    gc: Float[Array, "G B H C K"],
     S0: Float[Array, "B H K V"],
     dO: Float[Array, "G B H C V"],
     dS_out: Float[Array, "B H K V"],
@@ -116,6 +117,8 @@ def chunk_grads(
     is_last = (jnp.arange(C) == C - 1)[:, None]  # [C, 1]
     d_gamma = d_gamma + jnp.where(is_last, last[..., None, :], 0.0)  # [G, B, H, C, K]
     dg_c = cumsum_rows(d_gamma, reverse=True)  # B10 [G, B, H, C, K]
+    # g below the floor of floor_log_decay: exp(g) = 0 exactly, so its gradient is 0.
+    dg_c = jnp.where(gc < LOG_DECAY_FLOOR[gc.dtype], 0.0, dg_c)  # [G, B, H, C, K]
     return (dq_c, dk_c, dv_c, dw_c, db_c, dg_c), dS_in
 
 
@@ -145,7 +148,7 @@ def gdn2_chunk_backward(
         qc, kc, vc, wc, bc, gc = (load_group(x, i, blk, acc) for x in inputs)  # [G, B, H, C, d]
         dO = load_group(do, i, blk, acc)  # [G, B, H, C, V]
         L = chunk_local(qc, kc, vc, wc, bc, gc, params=params)
-        grads, dS_in = chunk_grads(L, qc, kc, vc, wc, bc, S0, dO, dS, params)
+        grads, dS_in = chunk_grads(L, qc, kc, vc, wc, bc, gc, S0, dO, dS, params)
         bufs = tuple(store_group(buf, d, i, blk) for buf, d in zip(bufs, grads, strict=True))
         return (dS_in, bufs), None
 
