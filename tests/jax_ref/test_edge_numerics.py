@@ -3,6 +3,8 @@ reference and ``jax.grad`` of it.
 
 - g = -inf ("forget this channel entirely") and g far below float32's exp underflow must give the
   reference's result, forward and all seven gradients, not NaN.
+- Under uniformly strong decay dg is tiny (~1e-8) while the terms it is summed from are O(1); dg
+  must still be accurate relative to its own size.
 
 The cases call the public entry points with ``backend=...``, so they can run for any backend.
 Errors are ``rel = max|actual - expected| / max|expected|`` (tests.support.inputs.rel_err).
@@ -34,6 +36,8 @@ TOL_FWD_F32, TOL_GRAD_F32 = 1e-4, 3e-4
 # float64 against float64: rounding only (ALGORITHM.md 8 measures <= 2.5e-14), with room for T's
 # growth with b up to 2.
 TOL_F64 = 1e-10
+# dg relative to max |dg| (issue 11.7): float32 inputs, float64 reference.
+TOL_DG_OWN_SIZE = 1e-3
 
 
 def _loss(fn, args, do, dh):
@@ -144,3 +148,41 @@ def test_forget_float64_matches_reference(x64, value):
     assert rel_err(o, o_ref) < TOL_F64 and rel_err(h, h_ref) < TOL_F64
     for name, a, e in zip(GRAD_NAMES, grads, g_ref, strict=True):
         assert rel_err(a, e) < TOL_F64, (name, rel_err(a, e))
+
+
+# --- dg relative to its own size ------------------------------------------------------------
+
+# T = 301: several chunks at every blocking below, and never a multiple of the chunk (a padded
+# tail, where the last real token's exp(gamma_C - gamma_r) is exactly 1).
+DG_CASE = Case(B=1, T=301, H=2, dk=16, dv=16, b_max=2.0, seed=22)
+
+
+@functools.cache
+def dg_inputs(decay: str) -> tuple[Inputs, tuple]:
+    """float32 inputs and the float64 reference's ``((o, h), grads)`` on the same values.
+    "uniform-strong": g = -20 x U(0.9, 1.1) on every token and channel (true dg ~1e-8);
+    "mixed": the conformance suite's typical gates (g ~ -0.3)."""
+    inp = make_inputs(DG_CASE, jnp.float32)
+    if decay == "uniform-strong":
+        rng = np.random.default_rng(23)
+        inp = with_g(inp, -20.0 * rng.uniform(0.9, 1.1, inp.g.shape))
+    return inp, run("reference", in_float64(inp))
+
+
+@pytest.mark.parametrize("bt", [16, 32, 64, 128])
+@pytest.mark.parametrize("decay", ["uniform-strong", "mixed"])
+def test_dg_accurate_relative_to_its_own_size(x64, decay, bt):
+    """Issue 11.7: max|dg - dg_ref| <= 1e-3 max|dg_ref| for float32 inputs. Before the fix the
+    uniform-strong case was off by 1.6 to 2.0 max|dg| here at every blocking (O(1) exp(0)
+    terms, the A_qk self pairs and the K_tilde row of a chunk's last token, added and subtracted
+    through the reverse cumsum of dGamma); now it is 5e-6 (C <= 32) to 3e-5 (C >= 64): the
+    float32 rounding of gamma_cum (|gamma_cum| up to 20 C) perturbs each decay by
+    ~ulp(|gamma_cum|). The mixed case (2e-7 to 9e-7 before and after) guards the ordinary
+    regime. The other outputs keep the float32 tolerances."""
+    config = KernelConfig(bt=bt, bc=bt // 2, mb=min(16, bt // 2))
+    inp, ((o_ref, h_ref), g_ref) = dg_inputs(decay)
+    (o, h), grads = run("jax_ref", inp, config)
+    assert rel_err(grads[5], g_ref[5]) <= TOL_DG_OWN_SIZE, rel_err(grads[5], g_ref[5])
+    assert rel_err(o, o_ref) < TOL_FWD_F32 and rel_err(h, h_ref) < TOL_FWD_F32
+    for name, a, e in zip(GRAD_NAMES, grads, g_ref, strict=True):
+        assert rel_err(a, e) < TOL_GRAD_F32, (name, rel_err(a, e))

@@ -68,11 +68,14 @@ def floor_log_decay(g: Float[Array, "... C K"]) -> Float[Array, "... C K"]:
     return jnp.maximum(g, LOG_DECAY_FLOOR[g.dtype])
 
 
-def cumsum_rows(x: Float[Array, "... C K"], reverse: bool = False) -> Float[Array, "... C K"]:
-    """Inclusive (or reverse inclusive) cumsum over the C axis, as a matmul with a triangle of
-    ones (faster on CPU than XLA's reduce-window cumsum; the same number of additions per row)."""
+def cumsum_rows(
+    x: Float[Array, "... C K"], reverse: bool = False, exclusive: bool = False
+) -> Float[Array, "... C K"]:
+    """Inclusive cumsum over the C axis (reverse: from the end; exclusive: row r itself left
+    out), as a matmul with a triangle of ones (faster on CPU than XLA's reduce-window cumsum;
+    the same number of additions per row)."""
     C = x.shape[-2]
-    ones = jnp.tril(jnp.ones((C, C), x.dtype))  # [C(r), C(s)]: s <= r
+    ones = jnp.tril(jnp.ones((C, C), x.dtype), -1 if exclusive else 0)  # [C(r), C(s)]: s <=(<) r
     if reverse:
         ones = ones.T  # s >= r
     return einsum("rs,...sk->...rk", ones, x)  # [..., C, K]
