@@ -9,6 +9,8 @@ w.r.t. the state leaving the group. Per group:
    dR and dS (w.r.t. the state leaving each chunk of the group);
 3. Pass 2: B1-B10 for the G chunks at once, with the decay-safe rho/kappa of
    :mod:`gdn2_jax_ref.scores`; the gradients are written into the output buffers in place.
+   dGamma (B9/B10) leaves out every term whose decay is exactly exp(0): they carry no gradient
+   to g but would cancel only after rounding (see :func:`chunk_grads`).
 
 dh0 is the final carry.
 """
@@ -21,7 +23,7 @@ from jaxtyping import Array, Float
 
 from gdn2_jax_ref.chunk import load_group, pad_time, store_group
 from gdn2_jax_ref.forward import entry_states, plan_blocking
-from gdn2_jax_ref.local import ChunkLocal, chunk_local, cumsum_rows
+from gdn2_jax_ref.local import LOG_DECAY_FLOOR, ChunkLocal, chunk_local, cumsum_rows
 from gdn2_jax_ref.params import ChunkParams, einsum
 from gdn2_jax_ref.scores import score_kappa, score_rho
 from gdn2core.diagnostics import probe
@@ -61,6 +63,7 @@ def chunk_grads(
     vc: Float[Array, "G B H C V"],
     wc: Float[Array, "G B H C V"],
     bc: Float[Array, "G B H C K"],
+    gc: Float[Array, "G B H C K"],
     S0: Float[Array, "B H K V"],
     dO: Float[Array, "G B H C V"],
     dS_out: Float[Array, "B H K V"],
@@ -75,7 +78,6 @@ def chunk_grads(
     dK_tilde = einsum("...cv,...kv->...ck", R, dS)  # B3 [G, B, H, C, K]
     d_decay_C = jnp.sum(S * dS, axis=-1)  # B3 [G, B, H, K]
 
-    C = qc.shape[-2]
     P_qk = scale * jnp.tril(einsum("...rv,...sv->...rs", dO, R))  # B1 [G, B, H, C, C]
     dQ_tilde = scale * einsum("...cv,...kv->...ck", dO, S)  # B2 [G, B, H, C, K]
     dY = -einsum("...cv,...kv->...ck", dR, S)  # B2 [G, B, H, C, K]
@@ -91,31 +93,42 @@ def chunk_grads(
     # B7, the two rho and the two kappa contractions each as one stacked call. The barrier gives
     # rho and kappa distinct copies of gamma_cum, so XLA cannot CSE their pairwise decays into one
     # shared (and then materialised) [.., c, c, K] tensor; each stays fused into its reduction.
+    # The self pairs s = r of A_qk (decay exp(0) = 1) go around rho and kappa and are added to dq
+    # and dk directly (B8): in B9 their +q P_rr k and -k P_rr q sit in the same row of dGamma and
+    # cancel exactly, so they carry no gradient to g, but only after each was rounded inside an
+    # O(|q P k|) sum. Under uniformly strong decay every other dGamma term is ~exp(g) small and
+    # that rounding (~1e-8 absolute, ~ulp of O(0.1)) exceeded the true dg (~1e-8) several-fold.
+    # Leaving them out is exact; P_kk is strictly lower already.
     g_rho, g_kappa = lax.optimization_barrier((L.gamma_cum, L.gamma_cum))
-    P_both = jnp.stack([P_qk, P_kk])  # [2, G, B, H, C, C]
-    dQ_s, dE_s = score_rho(P_both, kc, g_rho, c, clip)  # [G, B, H, C, K] each
+    P_qk_self = jnp.diagonal(P_qk, axis1=-2, axis2=-1)[..., None]  # [G, B, H, C, 1]
+    P_both = jnp.stack([jnp.tril(P_qk, -1), P_kk])  # [2, G, B, H, C, C] both strictly lower
+    dQ_s, dE_s = score_rho(P_both, kc, g_rho, c, clip)  # [G, B, H, C, K] each, s < r
     dK_1, dK_2 = score_kappa(P_both, jnp.stack([qc, L.E]), g_kappa, c, clip)  # [G, B, H, C, K]
 
     e_gamma = jnp.exp(L.gamma_cum)  # [G, B, H, C, K] <= 1
     e_tail = jnp.exp(L.gamma_cum[..., -1:, :] - L.gamma_cum)  # [G, B, H, C, K] <= 1
     dE = dE_bar * e_gamma + dE_s  # B8 [G, B, H, C, K]
-    dq_c = dQ_tilde * e_gamma + dQ_s  # B8 [G, B, H, C, K]
+    dq_c = dQ_tilde * e_gamma + dQ_s + P_qk_self * kc  # B8 [G, B, H, C, K], self pairs back in
     db_c = dE * kc  # B8 [G, B, H, C, K]
-    dk_c = dE * bc + dK_1 + dK_2 + dK_tilde * e_tail  # B8 [G, B, H, C, K]
-    dK_tilde_K = dK_tilde * L.K_tilde  # [G, B, H, C, K]
+    dk_c = dE * bc + dK_1 + dK_2 + P_qk_self * qc + dK_tilde * e_tail  # B8 [G, B, H, C, K]
+    # B9 without the self pairs (see B7) and without the K_tilde terms.
     d_gamma = (
-        dQ_tilde * L.Q_tilde
-        + dE_bar * L.E_bar
-        - dK_tilde_K
-        + qc * dQ_s
-        - kc * dK_1
-        + L.E * dE_s
-        - kc * dK_2
-    )  # B9 [G, B, H, C, K]
-    last = jnp.sum(dK_tilde_K, axis=-2) + d_decay_C * L.decay_C  # B9 gamma_C terms [G, B, H, K]
+        dQ_tilde * L.Q_tilde + dE_bar * L.E_bar + qc * dQ_s - kc * dK_1 + L.E * dE_s - kc * dK_2
+    )  # [G, B, H, C, K]
+    C = qc.shape[-2]
     is_last = (jnp.arange(C) == C - 1)[:, None]  # [C, 1]
-    d_gamma = d_gamma + jnp.where(is_last, last[..., None, :], 0.0)  # [G, B, H, C, K]
-    dg_c = cumsum_rows(d_gamma, reverse=True)  # B10 [G, B, H, C, K]
+    d_gamma = d_gamma + jnp.where(is_last, (d_decay_C * L.decay_C)[..., None, :], 0.0)  # gamma_C
+    # K_tilde_r = exp(gamma_C - gamma_r) k_r depends on g_{r+1..C} only, so its part of dg_j is
+    # sum_{r<j} dK_tilde_r K_tilde_r: an exclusive forward cumsum. ALGORITHM.md B9/B10 add it as
+    # -row r plus the row sum at C, reverse-cumsummed: the same sum in exact arithmetic, but the
+    # r = C term (exp(0) k, O(1)) then enters twice and cancels only after rounding, as does the
+    # last real token's when zero-g padding follows it (T not a multiple of C). Excluding r = C
+    # alone leaves the padded case off by 100% of max|dg| under uniformly strong decay.
+    dg_c = cumsum_rows(d_gamma, reverse=True) + cumsum_rows(
+        dK_tilde * L.K_tilde, exclusive=True
+    )  # B10 [G, B, H, C, K]
+    # g below the floor of floor_log_decay: exp(g) = 0 exactly, so its gradient is 0.
+    dg_c = jnp.where(gc < LOG_DECAY_FLOOR[gc.dtype], 0.0, dg_c)  # [G, B, H, C, K]
     return (dq_c, dk_c, dv_c, dw_c, db_c, dg_c), dS_in
 
 
@@ -145,7 +158,7 @@ def gdn2_chunk_backward(
         qc, kc, vc, wc, bc, gc = (load_group(x, i, blk, acc) for x in inputs)  # [G, B, H, C, d]
         dO = load_group(do, i, blk, acc)  # [G, B, H, C, V]
         L = chunk_local(qc, kc, vc, wc, bc, gc, params=params)
-        grads, dS_in = chunk_grads(L, qc, kc, vc, wc, bc, S0, dO, dS, params)
+        grads, dS_in = chunk_grads(L, qc, kc, vc, wc, bc, gc, S0, dO, dS, params)
         bufs = tuple(store_group(buf, d, i, blk) for buf, d in zip(bufs, grads, strict=True))
         return (dS_in, bufs), None
 

@@ -3,12 +3,16 @@ chunk-entry state, for all chunks of a group at once. The backward recomputes it
 
 Every decay factor formed here has a non-positive exponent (for g <= 0): exp(gamma_cum),
 exp(gamma_C - gamma_cum) and exp(gamma_C); the scores go through :mod:`gdn2_jax_ref.scores`.
+
+g is first raised to a finite floor (:func:`floor_log_decay`), so g = -inf ("forget this channel")
+cannot make -inf - (-inf) = NaN in the cumsum or in a decay difference.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Final
 
 import jax
 import jax.numpy as jnp
@@ -41,11 +45,37 @@ class ChunkLocal:
     U: Float[Array, "... C V"]  # F6 T Z
 
 
-def cumsum_rows(x: Float[Array, "... C K"], reverse: bool = False) -> Float[Array, "... C K"]:
-    """Inclusive (or reverse inclusive) cumsum over the C axis, as a matmul with a triangle of
-    ones (faster on CPU than XLA's reduce-window cumsum; the same number of additions per row)."""
+#: Floor on g per accumulation dtype: g below it is raised to it before anything else, so g = -inf
+#: never meets -inf in a cumsum (0 * -inf in the triangle-of-ones matmul) or a difference
+#: (-inf - -inf). exp(floor) is exactly 0, as exp(g) is in the reference for g = -inf or g below
+#: exp's underflow (float32: -87.3 where denormals are flushed, as XLA does on CPU and TPU, -103.97
+#: with IEEE denormals; float64: -745.13), and every decay exponent spanning a floored token is
+#: <= floor (all g <= 0), so the token forgets its channel exactly as the reference does.
+#: Why this value: after a floored token gamma_cum is about floor for the rest of the chunk, and
+#: decay differences there carry an absolute error of ~ulp(|gamma_cum|). So the floor sits just
+#: past the underflow edge: a floored token then costs what a legal g of the same size does
+#: (-128: ulp 1.5e-5, i.e. ~1e-5 relative error on the later decays of that chunk, where an
+#: unfloored g = -1e4 gives 1e-3). The margin (-128, not -104) keeps exp at exactly 0 with IEEE
+#: denormals too, after the rounding of a difference (a few ulp of |gamma_cum| <= C * 128: < 1
+#: for any C below 2^16). float64: -1024, past -745 with room to spare; ulp(1024) = 2.3e-13
+#: costs nothing.
+LOG_DECAY_FLOOR: Final = {jnp.dtype(jnp.float32): -128.0, jnp.dtype(jnp.float64): -1024.0}
+
+
+def floor_log_decay(g: Float[Array, "... C K"]) -> Float[Array, "... C K"]:
+    """max(g, floor) in g's (accumulation) dtype; NaN stays NaN. The backward gives g < floor
+    a zero gradient, which is the reference's: d/dg of exp(g) S is exp(g) S = 0 there."""
+    return jnp.maximum(g, LOG_DECAY_FLOOR[g.dtype])
+
+
+def cumsum_rows(
+    x: Float[Array, "... C K"], reverse: bool = False, exclusive: bool = False
+) -> Float[Array, "... C K"]:
+    """Inclusive cumsum over the C axis (reverse: from the end; exclusive: row r itself left
+    out), as a matmul with a triangle of ones (faster on CPU than XLA's reduce-window cumsum;
+    the same number of additions per row)."""
     C = x.shape[-2]
-    ones = jnp.tril(jnp.ones((C, C), x.dtype))  # [C(r), C(s)]: s <= r
+    ones = jnp.tril(jnp.ones((C, C), x.dtype), -1 if exclusive else 0)  # [C(r), C(s)]: s <=(<) r
     if reverse:
         ones = ones.T  # s >= r
     return einsum("rs,...sk->...rk", ones, x)  # [..., C, K]
@@ -61,7 +91,7 @@ def chunk_local(
     params: ChunkParams,
 ) -> ChunkLocal:
     """F1-F6 for every chunk (inputs already chunked and in the accumulation dtype)."""
-    gamma_cum = probe("jax_ref gamma_cum", cumsum_rows(g))  # [..., C, K]
+    gamma_cum = probe("jax_ref gamma_cum", cumsum_rows(floor_log_decay(g)))  # [..., C, K]
     gamma_C = gamma_cum[..., -1, :]  # [..., K]
     E = b * k  # [..., C, K]
     Z = w * v  # [..., C, V]
