@@ -76,14 +76,7 @@ def _tracked_files() -> list[Path]:
 #: Files being rewritten elsewhere right now (the Pallas kernels; the jax_ref numerics), whose
 #: docstrings still cite the sections of the algorithm by the old document name: they must switch
 #: to ``docs/algorithm.md`` (same section numbers) and then leave this set.
-PENDING = {
-    "backends/jax_ref/src/gdn2_jax_ref/backward.py",
-    "backends/jax_ref/src/gdn2_jax_ref/chunk.py",
-    "backends/jax_ref/src/gdn2_jax_ref/forward.py",
-    "backends/jax_ref/src/gdn2_jax_ref/local.py",
-    "backends/jax_ref/src/gdn2_jax_ref/scores.py",
-    "backends/jax_ref/src/gdn2_jax_ref/wy.py",
-}
+PENDING = {}
 
 
 def test_nothing_points_outside_the_repository():

@@ -28,12 +28,12 @@ from gdn2core import (
 from tests.support.inputs import Case, Inputs, make_inputs, rel_err
 
 GRAD_NAMES = ("q", "k", "v", "w", "b", "g", "h0")
-# float32 against the float64 reference: the conformance suite's tolerances (ALGORITHM.md 5.4
+# float32 against the float64 reference: the conformance suite's tolerances (docs/algorithm.md 5.4
 # measures 2e-6 to 1e-5 for the chunked algorithm in float32; strong decay and b up to 2 amplify
 # that a few-fold). A floored g = -inf costs at most ~1e-5 more (see LOG_DECAY_FLOOR in
 # gdn2_jax_ref.local; measured <= 1.5e-5 here), while the failure being guarded against is NaN.
 TOL_FWD_F32, TOL_GRAD_F32 = 1e-4, 3e-4
-# float64 against float64: rounding only (ALGORITHM.md 8 measures <= 2.5e-14), with room for T's
+# float64 against float64: rounding only (docs/algorithm.md 8 measures <= 2.5e-14), with room for T's
 # growth with b up to 2.
 TOL_F64 = 1e-10
 # dg relative to max |dg| (issue 11.7): float32 inputs, float64 reference.

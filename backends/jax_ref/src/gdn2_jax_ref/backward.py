@@ -1,4 +1,4 @@
-"""The hand-derived chunkwise backward (ALGORITHM.md section 6).
+"""The hand-derived chunkwise backward (docs/algorithm.md section 6).
 
 A reverse ``lax.scan`` over the same groups of G chunks as the forward carries dS, the gradient
 w.r.t. the state leaving the group. Per group:
@@ -119,7 +119,7 @@ def chunk_grads(
     is_last = (jnp.arange(C) == C - 1)[:, None]  # [C, 1]
     d_gamma = d_gamma + jnp.where(is_last, (d_decay_C * L.decay_C)[..., None, :], 0.0)  # gamma_C
     # K_tilde_r = exp(gamma_C - gamma_r) k_r depends on g_{r+1..C} only, so its part of dg_j is
-    # sum_{r<j} dK_tilde_r K_tilde_r: an exclusive forward cumsum. ALGORITHM.md B9/B10 add it as
+    # sum_{r<j} dK_tilde_r K_tilde_r: an exclusive forward cumsum. docs/algorithm.md B9/B10 add it as
     # -row r plus the row sum at C, reverse-cumsummed: the same sum in exact arithmetic, but the
     # r = C term (exp(0) k, O(1)) then enters twice and cancels only after rounding, as does the
     # last real token's when zero-g padding follows it (T not a multiple of C). Excluding r = C

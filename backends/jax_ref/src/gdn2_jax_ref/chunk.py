@@ -1,7 +1,7 @@
 """Blocking of the time axis: chunks of C tokens, processed in groups of G chunks.
 
 The public layout is ``(B, T, H, d)``. A sequence is padded at the end with zero tokens to
-``n_groups * G * C`` tokens: k = 0 and g = 0 leave the state unchanged (OPERATOR.md, "padding"),
+``n_groups * G * C`` tokens: k = 0 and g = 0 leave the state unchanged (docs/operator.md, "padding"),
 and the padded outputs and gradients are dropped again.
 
 The chunk-parallel work runs on one group at a time, vectorised over the group's G chunks in the

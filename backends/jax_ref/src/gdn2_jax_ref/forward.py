@@ -1,4 +1,4 @@
-"""The chunkwise forward (ALGORITHM.md section 4).
+"""The chunkwise forward (docs/algorithm.md section 4).
 
 One ``lax.scan`` over groups of G chunks (see :mod:`gdn2_jax_ref.chunk`) carries the float32 (or
 float64) state. Per group: Phase A (F1-F6) for all G chunks at once, then F7 and F9 as an inner

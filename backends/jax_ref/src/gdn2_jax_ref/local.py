@@ -1,4 +1,4 @@
-"""Phase A of the chunkwise forward (ALGORITHM.md F1-F6): everything that does not depend on the
+"""Phase A of the chunkwise forward (docs/algorithm.md F1-F6): everything that does not depend on the
 chunk-entry state, for all chunks of a group at once. The backward recomputes it from the inputs.
 
 Every decay factor formed here has a non-positive exponent (for g <= 0): exp(gamma_cum),

@@ -1,4 +1,4 @@
-"""Decay-safe chunk scores and their two backward contractions (ALGORITHM.md 5.1, B7).
+"""Decay-safe chunk scores and their two backward contractions (docs/algorithm.md 5.1, B7).
 
 With ``gamma_cum`` the chunk-local inclusive cumsum of g (``[..., C, K]``)::
 

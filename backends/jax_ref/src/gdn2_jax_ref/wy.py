@@ -1,4 +1,4 @@
-"""The blocked WY inverse T = ((1 + wy_eps) I + A_kk)^-1 (ALGORITHM.md F5, 5.3).
+"""The blocked WY inverse T = ((1 + wy_eps) I + A_kk)^-1 (docs/algorithm.md F5, 5.3).
 
 A_kk is strictly lower triangular, so M = (1 + wy_eps) I + A_kk is lower triangular with a
 constant diagonal and never singular; wy_eps acts only on that diagonal (0 is exact).

@@ -257,6 +257,33 @@ def _beta_gates(target: Target, scalar_decay: bool, decay: Decay, seed: int):
     return x, beta, g, o, h
 
 
+#: Where :meth:`ConformanceSuite.test_forget_gates` sets g to "forget" (-inf, or below float32's
+#: exp underflow): some channels of one token, every channel of a token in one head, a run of
+#: three tokens on one channel, the first token, and the last token (T is no multiple of the
+#: chunk, so a padded tail follows it).
+def forget_mask(case: Case) -> np.ndarray:
+    """[B, T, H, dk] bool: the entries of g set to "forget" (see above)."""
+    m = np.zeros((case.B, case.T, case.H, case.dk), dtype=bool)
+    m[:, min(5, case.T - 1), :, :3] = True
+    m[0, case.T // 2, case.H - 1, :] = True
+    m[case.B - 1, case.T // 3 : case.T // 3 + 3, 0, case.dk - 1] = True
+    m[0, 0, 0, 1 % case.dk] = True
+    m[case.B - 1, case.T - 1, case.H - 1, : max(1, case.dk // 2)] = True
+    return m
+
+
+#: dg relative to max |dg|, float32 inputs, uniformly strong and mixed decay: terms of dg whose
+#: decay factor is exp(0) (a token paired with itself) are O(1) while the true dg is ~1e-8; an
+#: implementation that adds and cancels them leaves an error of 2-10 x max |dg| (measured on
+#: a chunked backend before it dropped them), one that does not stays below ~5e-5 (float32 rounding of the
+#: cumulative decay). The float32 reference itself is within ~5e-7 of float64 here.
+TOL_DG_OWN_SIZE = 1e-3
+
+
+def _with_g(x: Inputs, g) -> Inputs:
+    return dataclasses.replace(x, g=jnp.asarray(g, x.g.dtype))
+
+
 class ConformanceSuite:
     """The suite's tests. Subclass it with ``targets`` set (or leave None: the targets of
     ``--gdn2-backend``); the gdn2 pytest plugin parametrizes every test over them."""
@@ -348,6 +375,55 @@ class ConformanceSuite:
         for name, gr in zip(GRAD_NAMES, grads, strict=True):
             assert bool(jnp.all(jnp.isfinite(gr))), f"{name}: non-finite gradient under vmap"
 
+    @capability(Feature.FORWARD)
+    def test_forget_gates(self, gdn2_target: Target):
+        """g = -inf ("forget this channel entirely") and g = -3e38 on some entries: the
+        reference's result, forward and (when trainable) all seven gradients; dg exactly 0
+        where g = -inf, as in the reference (d/dg of exp(g) S is exp(g) S = 0)."""
+        dk, dv = gdn2_target.head_sizes[1 % len(gdn2_target.head_sizes)]
+        case = Case(B=2, T=2 * gdn2_target.config.bt + 13, H=2, dk=dk, dv=dv, b_max=2.0, seed=31)
+        base = make_inputs(case)
+        mask = forget_mask(case)
+        for value in (-np.inf, -3e38):
+            x = _with_g(base, jnp.where(mask, value, base.g))
+            _check_forward(gdn2_target, x, "float32")
+            if Feature.TRAINABLE not in gdn2_target.features:
+                continue
+            _, _, grads = outputs_and_grads(_trainable(gdn2_target), x)
+            _, _, expected = reference_outputs_and_grads(x)
+            for name, got, want in zip(GRAD_NAMES, grads, expected, strict=True):
+                assert_close(name, got, want, "float32")
+            if value == -np.inf:
+                dg = np.asarray(grads[5])[mask]
+                assert np.all(dg == 0), f"dg: {np.count_nonzero(dg)} nonzero where g = -inf"
+
+    @capability(Feature.TRAINABLE)
+    def test_dg_relative_to_its_own_size(self, gdn2_target: Target):
+        """Uniformly strong decay (g = -20 x U(0.9, 1.1) on every entry: true dg ~1e-8) and
+        mixed decay: max |dg - dg_ref| <= TOL_DG_OWN_SIZE max |dg_ref|, with T no multiple of
+        the chunk (a padded tail)."""
+        dk, dv = gdn2_target.head_sizes[0]
+        case = Case(B=1, T=3 * gdn2_target.config.bt + 5, H=2, dk=dk, dv=dv, b_max=2.0, seed=32)
+        base = make_inputs(case)
+        rng = np.random.default_rng(33)
+        strong = _with_g(base, -20.0 * rng.uniform(0.9, 1.1, base.g.shape))
+        for label, x in (("uniformly strong", strong), ("mixed", base)):
+            _, _, grads = outputs_and_grads(_trainable(gdn2_target), x)
+            _, _, expected = reference_outputs_and_grads(x)
+            err = rel_err(grads[5], expected[5])
+            assert err <= TOL_DG_OWN_SIZE, (
+                f"dg ({label} decay): error {err:.2e} of max |dg| > {TOL_DG_OWN_SIZE:.0e}"
+            )
+
+    @capability(Feature.FORWARD)
+    def test_x64_enabled(self, gdn2_target: Target, gdn2_x64):
+        """float32 inputs with ``jax_enable_x64`` on (as users who need float64 elsewhere run):
+        the call traces and compiles, and matches the reference."""
+        x = make_inputs(CASES[0].build(gdn2_target))
+        _check_forward(gdn2_target, x, "float32")
+        if Feature.TRAINABLE in gdn2_target.features:
+            _check_grads(gdn2_target, x, "float32")
+
 
 class TestInstalledBackends(ConformanceSuite):
     """The suite against the backends named by ``--gdn2-backend`` (``targets = None``)."""
@@ -357,6 +433,7 @@ __all__ = [
     "CASES",
     "CONFIG_CANDIDATES",
     "SMALL_CONFIG",
+    "TOL_DG_OWN_SIZE",
     "CaseSpec",
     "ConformanceSuite",
     "Feature",
