@@ -16,6 +16,9 @@ from gdn2core.config import (
     PRESETS,
     KernelConfig,
 )
+from gdn2core.decode import gdn2_decode, init_state_pool, which_decode_backend
+from gdn2core.decode_reference import gdn2_decode_reference
+from gdn2core.decode_spec import DecodeSpec
 from gdn2core.hooks import hookimpl
 from gdn2core.memory import estimate_memory, get_recommended_config
 from gdn2core.platform import is_tpu_available
@@ -45,20 +48,25 @@ __all__ = [
     "BackendNotFoundError",
     "BackendUnsupportedError",
     "Capabilities",
+    "DecodeSpec",
     "KernelConfig",
     "OpSpec",
     "Verdict",
     "estimate_memory",
+    "gdn2_decode",
+    "gdn2_decode_reference",
     "gdn2_forward",
     "gdn2_forward_trainable",
     "gdn2_token_serial_reference",
     "get_backend",
     "get_recommended_config",
     "hookimpl",
+    "init_state_pool",
     "is_tpu_available",
     "list_backends",
     "register_backend",
     "resolve_backend",
     "unregister_backend",
     "which_backend",
+    "which_decode_backend",
 ]

@@ -17,13 +17,18 @@ from gdn2core.verdict import verdict
 Out = tuple[Float[Array, "B T H dv"], Float[Array, "B H dk dv"]]
 
 
-def _prepare(q, k, v, w, b, g, scale, h0, config, backend, trainable):
+def _prepare(q, k, v, w, b, g, scale, h0, config, backend, trainable, chunk_states=False):
     spec = OpSpec.from_inputs(q, k, v, w, b, g, scale, h0)
     if config is None:
         config = DEFAULT_CONFIG
     elif not isinstance(config, KernelConfig):
         raise TypeError(f"config: expected a KernelConfig or None, got {type(config).__name__}")
-    chosen = resolve_backend(spec, config, backend, trainable=trainable, platform=call_platform(q))
+    if not isinstance(chunk_states, bool):
+        raise TypeError(f"return_chunk_states: expected a bool, got {type(chunk_states).__name__}")
+    chosen = resolve_backend(
+        spec, config, backend, trainable=trainable, platform=call_platform(q),
+        chunk_states=chunk_states,
+    )  # fmt: skip
     acc = state_dtype(q.dtype)
     h0 = jnp.zeros((spec.batch, spec.heads, spec.dk, spec.dv), acc) if h0 is None else h0
     return spec, config, chosen, h0.astype(acc)
@@ -60,7 +65,8 @@ def gdn2_forward(
     batch_axes: AxesArg = None,
     head_axes: AxesArg = None,
     context_axis: str | None = None,
-) -> Out:
+    return_chunk_states: bool = False,
+) -> Out | tuple[Float[Array, "B T H dv"], Float[Array, "B H dk dv"], Float[Array, "B NC H dk dv"]]:
     """The GDN-2 operator, forward only (inference). The contract is ``docs/operator.md``.
 
     Args:
@@ -79,10 +85,16 @@ def gdn2_forward(
             the backend runs once per device on its shard: batch over ``batch_axes``, heads over
             ``head_axes`` (default: read from the inputs' ``NamedSharding``) and, opt-in, time
             over ``context_axis`` (context parallelism; ``T`` must divide evenly).
+        return_chunk_states: also return the state at every chunk boundary (prefix caching,
+            resuming a prompt): the state entering each chunk of ``config.bt`` tokens. Single
+            device only; backends declare it (``Capabilities.chunk_states``).
 
     Returns:
         ``(o, h_final)``: o ``(B, T, H, dv)`` in v's dtype, h_final ``(B, H, dk, dv)`` in the
-        state dtype (float32; float64 for float64 inputs).
+        state dtype (float32; float64 for float64 inputs). With ``return_chunk_states``,
+        ``(o, h_final, chunk_states)``: chunk_states ``(B, ceil(T / bt), H, dk, dv)`` in the
+        state dtype, entry ``i`` the state after the first ``i * bt`` tokens (entry 0 is h0; the
+        state after all T tokens is h_final).
 
     Raises:
         ValueError, TypeError: bad shapes, dtypes, scale or config (the message names the
@@ -90,10 +102,19 @@ def gdn2_forward(
         BackendNotFoundError: the named backend is not installed, or no backend can run the call.
         BackendUnsupportedError: the named backend cannot run this call here (with its reason).
     """
-    spec, config, chosen, h0 = _prepare(q, k, v, w, b, g, scale, h0, config, backend, False)
+    spec, config, chosen, h0 = _prepare(
+        q, k, v, w, b, g, scale, h0, config, backend, False, return_chunk_states
+    )
     sharding = dict(
         mesh=mesh, batch_axes=batch_axes, head_axes=head_axes, context_axis=context_axis
     )
+    if return_chunk_states:
+        if resolve_plan(spec, q, **sharding) is not None:
+            raise ValueError(
+                "return_chunk_states: expected a single-device call, got a multi-device mesh "
+                "(chunk states are not gathered across shards)"
+            )
+        return chosen.forward_chunk_states(q, k, v, w, b, g, h0, spec=spec, config=config)
     return _run(chosen.forward, chosen, spec, config, False, q, k, v, w, b, g, h0, sharding)
 
 

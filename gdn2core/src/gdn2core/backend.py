@@ -16,6 +16,7 @@ import jax
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from gdn2core.config import KernelConfig
+from gdn2core.decode_spec import DecodeSpec
 from gdn2core.spec import SUPPORTED_DTYPES, OpSpec
 
 Platform = Literal["cpu", "gpu", "tpu"]
@@ -40,6 +41,9 @@ class Capabilities(BaseModel):
             which run only when named).
         interpret: whether ``KernelConfig(interpret=True)`` runs its kernels off ``platforms`` (for
             example Pallas TPU kernels in interpret mode on a CPU); named calls only.
+        decode: whether it implements :meth:`Backend.decode` (:func:`gdn2core.gdn2_decode`).
+        chunk_states: whether it implements :meth:`Backend.forward_chunk_states`
+            (``gdn2_forward(..., return_chunk_states=True)``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -51,8 +55,10 @@ class Capabilities(BaseModel):
     platforms: tuple[Platform, ...] = Field(PLATFORMS, min_length=1)
     auto: bool = True
     interpret: bool = False
+    decode: bool = False
+    chunk_states: bool = False
 
-    def admits(self, spec: OpSpec) -> Verdict:
+    def admits(self, spec: OpSpec | DecodeSpec) -> Verdict:
         """Whether ``spec``'s dtype and head sizes are within these capabilities.
 
         Args:
@@ -80,6 +86,13 @@ class Capabilities(BaseModel):
             "trainable" if self.trainable else "forward only",
             "on " + "/".join(self.platforms) + (" (+interpret)" if self.interpret else ""),
         ]
+        extras = [
+            name
+            for name, on in (("decode", self.decode), ("chunk states", self.chunk_states))
+            if on
+        ]
+        if extras:
+            parts.append(" + ".join(extras))
         if not self.auto:
             parts.append("named only")
         return "; ".join(parts)
@@ -165,6 +178,59 @@ class Backend(abc.ABC):
         overrides it. Arguments and result as for :meth:`forward`.
         """
         return self.forward(q, k, v, w, b, g, h0, spec=spec, config=config)
+
+    def forward_chunk_states(
+        self, q, k, v, w, b, g, h0, *, spec: OpSpec, config: KernelConfig
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Inference forward that also returns the state entering every chunk of ``config.bt``
+        tokens (``gdn2_forward(..., return_chunk_states=True)``). Only called when
+        ``capabilities.chunk_states`` is True.
+
+        Args:
+            q, k, v, w, b, g, h0, spec, config: as for :meth:`forward`.
+
+        Returns:
+            ``(o, h_final, chunk_states)``: chunk_states ``(B, ceil(T / bt), H, dk, dv)`` in h0's
+            dtype, entry ``i`` the state after the first ``i * bt`` tokens (entry 0 is h0).
+        """
+        raise NotImplementedError(f"gdn2 backend {self.name!r} has no chunk states")
+
+    def supports_decode(self, spec: DecodeSpec, config: KernelConfig) -> Verdict:
+        """Refusals of a decode call beyond :class:`Capabilities` (only asked when
+        ``capabilities.decode`` is True).
+
+        Args:
+            spec: the call's resolved decode spec.
+            config: the call's kernel config.
+
+        Returns:
+            :data:`YES`, or a :class:`Verdict` naming what is refused.
+        """
+        del spec, config
+        return YES
+
+    def decode(
+        self, q, k, v, w, b, g, state, slots, *, spec: DecodeSpec, config: KernelConfig
+    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """``S`` new tokens of ``N`` sequences against a state pool (:func:`gdn2core.gdn2_decode`).
+        Only called when ``capabilities.decode`` is True.
+
+        Args:
+            q, k, b, g: ``(N, S, HV, dk)``; v, w: ``(N, S, HV, dv)``: grouped value heads are
+                already expanded by the core (``spec.key_heads == spec.heads``).
+            state: the pool ``(P, HV, dk, dv)`` in ``spec.state_dtype``.
+            slots: ``(N,)`` int32: sequence n's slot, or -1: skip sequence n (read and write
+                nothing for it; its outputs are NaN). Non-negative slots are distinct.
+            spec: the resolved decode spec.
+            config: the kernel config.
+
+        Returns:
+            ``(o, new_state, token_states)``: o ``(N, S, HV, dv)`` in v's dtype; the pool with the
+            named slots replaced by the state after the last token, rounded once to the pool's
+            dtype, and every other slot bit for bit as given; token_states
+            ``(N, S, HV, dk, dv)`` in the pool's dtype when ``spec.token_states``, else None.
+        """
+        raise NotImplementedError(f"gdn2 backend {self.name!r} has no decode op")
 
     def __repr__(self) -> str:
         return f"<gdn2 backend {self.name!r} priority={self.priority}>"

@@ -3,7 +3,9 @@
 A backend distribution:
 
 1. subclasses :class:`Backend` (``name``, ``priority``, ``capabilities``, ``forward`` and, for a
-   custom VJP, ``forward_trainable``; optionally ``availability`` and ``supports``);
+   custom VJP, ``forward_trainable``; optionally ``availability`` and ``supports``; with
+   ``Capabilities(decode=True)``, ``decode`` and optionally ``supports_decode``; with
+   ``Capabilities(chunk_states=True)``, ``forward_chunk_states``);
 2. exposes a module implementing the ``gdn2_backend`` hook (decorated with :data:`hookimpl`) under
    the entry-point group ``gdn2.backends``, named after the backend;
 3. may implement ``gdn2_commands`` (its own ``gdn2`` subcommands) and ``gdn2_kernel_costs``
@@ -12,11 +14,14 @@ A backend distribution:
 
 Helpers for the array methods: :func:`state_dtype` (the accumulation dtype), :func:`probe` (the
 ``GDN2_FWD_DIAG`` diagnostics), :func:`default_platform`, :func:`is_tpu_available`, :func:`device_memory_bytes`, and the
-token-serial reference :func:`gdn2_token_serial_reference`.
+token-serial references :func:`gdn2_token_serial_reference` and :func:`gdn2_decode_reference`; a
+decode op receives a :class:`DecodeSpec`.
 """
 
 from gdn2core.backend import YES, Backend, Capabilities, Verdict
 from gdn2core.config import KernelConfig
+from gdn2core.decode_reference import gdn2_decode_reference
+from gdn2core.decode_spec import DecodeSpec
 from gdn2core.diagnostics import probe
 from gdn2core.hooks import BACKENDS_GROUP, TOOLS_GROUP, Command, KernelCost, hookimpl
 from gdn2core.platform import default_platform, device_memory_bytes, is_tpu_available
@@ -30,12 +35,14 @@ __all__ = [
     "Backend",
     "Capabilities",
     "Command",
+    "DecodeSpec",
     "KernelConfig",
     "KernelCost",
     "OpSpec",
     "Verdict",
     "default_platform",
     "device_memory_bytes",
+    "gdn2_decode_reference",
     "gdn2_token_serial_reference",
     "hookimpl",
     "is_tpu_available",

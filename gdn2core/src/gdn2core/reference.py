@@ -65,12 +65,26 @@ def gdn2_token_serial_reference(
     xs = tuple(jnp.swapaxes(x, 0, 1).astype(acc) for x in (q, k, v, w, b, g))
 
     def step(S, x):  # S: [B, H, dk, dv] acc
-        qt, kt, vt, wt, bt, gt = x  # [B, H, dk] / [B, H, dv]
-        S_dec = jnp.exp(gt)[..., None] * S  # [B, H, dk, dv]
-        r = jnp.einsum("bhkv,bhk->bhv", S_dec, bt * kt)  # [B, H, dv]
-        S_new = S_dec + kt[..., None] * (wt * vt - r)[..., None, :]  # [B, H, dk, dv]
-        o = spec.scale * jnp.einsum("bhkv,bhk->bhv", S_new, qt)  # [B, H, dv]
+        S_new, o = token_step(S, *x, spec.scale)
         return S_new, o
 
     h_final, o = jax.lax.scan(step, h0.astype(acc), xs)  # o: [T, B, H, dv]
     return jnp.swapaxes(o, 0, 1).astype(v.dtype), h_final
+
+
+def token_step(S, qt, kt, vt, wt, bt, gt, scale: float):
+    """One token of the recurrence, in the four lines of the module docstring.
+
+    Args:
+        S: the state ``[..., dk, dv]``.
+        qt, kt, bt, gt: ``[..., dk]``; vt, wt: ``[..., dv]`` (the same leading axes as S).
+        scale: the query scale.
+
+    Returns:
+        ``(S_t, o_t)``: ``[..., dk, dv]`` and ``[..., dv]``, in S's dtype.
+    """
+    S_dec = jnp.exp(gt)[..., None] * S  # [..., dk, dv]
+    r = jnp.einsum("...kv,...k->...v", S_dec, bt * kt)  # [..., dv]
+    S_new = S_dec + kt[..., None] * (wt * vt - r)[..., None, :]  # [..., dk, dv]
+    o = scale * jnp.einsum("...kv,...k->...v", S_new, qt)  # [..., dv]
+    return S_new, o

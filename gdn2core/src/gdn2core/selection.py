@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Final
 
 from gdn2core import registry
-from gdn2core.backend import Backend
+from gdn2core.backend import Backend, Verdict
 from gdn2core.config import KernelConfig
+from gdn2core.decode_spec import DecodeSpec
 from gdn2core.install import any_backend_hint
 from gdn2core.spec import OpSpec
-from gdn2core.verdict import verdict
+from gdn2core.verdict import decode_verdict, verdict
 
 log = logging.getLogger("gdn2core")
 
@@ -49,6 +51,7 @@ def resolve_backend(
     *,
     trainable: bool = False,
     platform: str | None = None,
+    chunk_states: bool = False,
 ) -> Backend:
     """The backend that will run a call of ``spec``.
 
@@ -62,6 +65,7 @@ def resolve_backend(
         backend: a backend name, or ``"auto"``.
         trainable: the call needs gradients.
         platform: where the call runs (None: not known yet, inside ``jax.jit``).
+        chunk_states: the call asks for the chunk states.
 
     Returns:
         The backend.
@@ -71,6 +75,42 @@ def resolve_backend(
             ``"auto"``, no backend would run the call (each one's reason is listed).
         BackendUnsupportedError: the named backend would not run this call here.
     """
+
+    def judge(candidate: Backend, auto: bool) -> Verdict:
+        return verdict(
+            candidate, spec, config, trainable=trainable, auto=auto, platform=platform,
+            chunk_states=chunk_states,
+        )  # fmt: skip
+
+    return _choose(backend, judge, spec)
+
+
+def resolve_decode_backend(
+    spec: DecodeSpec, config: KernelConfig, backend: str | None = AUTO, *, platform: str | None
+) -> Backend:
+    """The backend that will run a decode call of ``spec`` (the same rules as
+    :func:`resolve_backend`, judged by :func:`gdn2core.verdict.decode_verdict`).
+
+    Args:
+        spec: the call's resolved decode spec.
+        config: its kernel config.
+        backend: a backend name, or ``"auto"``.
+        platform: where the call runs (None inside ``jax.jit``).
+
+    Returns:
+        The backend.
+
+    Raises:
+        As :func:`resolve_backend`.
+    """
+
+    def judge(candidate: Backend, auto: bool) -> Verdict:
+        return decode_verdict(candidate, spec, config, auto=auto, platform=platform)
+
+    return _choose(backend, judge, spec)
+
+
+def _choose(backend: str | None, judge: Callable[[Backend, bool], Verdict], spec) -> Backend:
     name, origin = requested_backend(backend)
     if name != AUTO:
         try:
@@ -79,7 +119,7 @@ def resolve_backend(
             if not origin:
                 raise
             raise registry.BackendNotFoundError(f"{ENV_VAR}={name}: {err}") from None
-        answer = verdict(chosen, spec, config, trainable=trainable, auto=False, platform=platform)
+        answer = judge(chosen, False)
         if not answer:
             raise registry.BackendUnsupportedError(
                 f"gdn2 backend {name!r}{origin} cannot run this call: {answer.reason}"
@@ -89,7 +129,7 @@ def resolve_backend(
 
     refusals: list[str] = []
     for candidate in registry.usable_backends():
-        answer = verdict(candidate, spec, config, trainable=trainable, auto=True, platform=platform)
+        answer = judge(candidate, True)
         if answer:
             log.debug("gdn2: auto-selected backend %r for %s", candidate.name, spec)
             return candidate

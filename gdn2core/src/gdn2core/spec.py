@@ -91,16 +91,7 @@ class OpSpec:
                 f"q/v: B, H, dk and dv must be positive, got B={bsz}, H={heads}, dk={dk}, dv={dv}"
             )
 
-        dtypes = {name: jnp.dtype(x.dtype) for name, x in arrays.items()}
-        for name, dt in dtypes.items():
-            if not jnp.issubdtype(dt, jnp.floating):
-                raise TypeError(f"{name}: expected a floating dtype, got {dt.name}")
-        if len(set(dtypes.values())) > 1:
-            listing = ", ".join(f"{n}={d.name}" for n, d in dtypes.items())
-            raise TypeError(f"q, k, v, w, b, g: expected one common dtype, got {listing}")
-        dtype = dtypes["q"].name
-        if dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"q: expected one of {SUPPORTED_DTYPES}, got {dtype}")
+        dtype = check_common_dtype(arrays)
 
         if h0 is not None:
             if not hasattr(h0, "shape"):
@@ -111,14 +102,7 @@ class OpSpec:
             if h0_dtype.name not in allowed:
                 raise TypeError(f"h0: expected dtype {' or '.join(allowed)}, got {h0_dtype.name}")
 
-        if scale is None:
-            scale = dk**-0.5
-        if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
-            raise TypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
-        scale = float(scale)
-        if not math.isfinite(scale):
-            raise ValueError(f"scale: expected a finite float, got {scale}")
-
+        scale = check_scale(scale, dk)
         return cls(
             batch=bsz,
             seq_len=seq,
@@ -128,6 +112,57 @@ class OpSpec:
             dtype=dtype,
             scale=scale,
         )
+
+
+def check_common_dtype(arrays: dict[str, Any]) -> str:
+    """The one floating dtype of the token inputs.
+
+    Args:
+        arrays: ``{"q": q, "k": k, ...}`` (anything with a ``dtype``).
+
+    Returns:
+        The dtype's name, one of :data:`SUPPORTED_DTYPES`.
+
+    Raises:
+        TypeError: a non-floating dtype, dtypes that differ, or an unsupported one (naming the
+            arguments and their dtypes).
+    """
+    dtypes = {name: jnp.dtype(x.dtype) for name, x in arrays.items()}
+    for name, dt in dtypes.items():
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise TypeError(f"{name}: expected a floating dtype, got {dt.name}")
+    if len(set(dtypes.values())) > 1:
+        listing = ", ".join(f"{n}={d.name}" for n, d in dtypes.items())
+        raise TypeError(f"{', '.join(dtypes)}: expected one common dtype, got {listing}")
+    first = next(iter(arrays))
+    dtype = dtypes[first].name
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{first}: expected one of {SUPPORTED_DTYPES}, got {dtype}")
+    return dtype
+
+
+def check_scale(scale: Any, dk: int) -> float:
+    """The query scale of a call: ``scale`` as a float, or ``dk ** -0.5`` for None.
+
+    Args:
+        scale: the ``scale`` argument.
+        dk: the key head size.
+
+    Returns:
+        The scale.
+
+    Raises:
+        TypeError: not a real number (a bool, a string or an array is refused).
+        ValueError: not finite.
+    """
+    if scale is None:
+        return dk**-0.5
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+        raise TypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite float, got {scale}")
+    return scale
 
 
 def _expect_shape(name: str, actual: Any, expected: tuple[int, ...], axes: str) -> None:

@@ -1,0 +1,183 @@
+"""The decode op: a few new tokens per sequence against a pool of recurrent states.
+
+Serving runs in two phases: a prefill over the prompt (the chunked forward, with
+``return_chunk_states=True`` for prefix caching) and then decode steps of ``S`` new tokens per
+sequence (``S = 1``, or up to a chunk to verify speculated tokens) against the state each sequence
+left behind. The states live in a pool ``(P, HV, dk, dv)``; ``state_indices`` names each
+sequence's slot (continuous batching), and the op returns the pool with those slots advanced and
+every other slot unchanged, bit for bit. The contract is the decode section of
+``docs/operator.md``.
+
+The core validates the call (:class:`~gdn2core.decode_spec.DecodeSpec`), resolves grouped value
+heads (q, k and H-headed b, g are repeated to the HV value heads: tiny token arrays, while the
+pool, the traffic that bounds a decode step, is untouched), turns the indices into the slots a
+backend receives (:func:`~gdn2core.decode_spec.sanitize_slots`) and runs the backend's
+:meth:`~gdn2core.plugin.Backend.decode`. The fused gate activations and q/k L2 norm of the chunked
+op belong in :func:`_resolve` too: applied there in XLA for backends that do not fuse them.
+"""
+
+from __future__ import annotations
+
+import jax
+from jaxtyping import Array, Float, Int
+
+from gdn2core.config import DEFAULT_CONFIG, KernelConfig
+from gdn2core.decode_spec import DecodeSpec, expand_heads, sanitize_slots
+from gdn2core.platform import call_platform
+from gdn2core.selection import AUTO, resolve_decode_backend
+
+DecodeOut = (
+    tuple[Float[Array, "N S HV dv"], Float[Array, "P HV dk dv"]]
+    | tuple[Float[Array, "N S HV dv"], Float[Array, "P HV dk dv"], Float[Array, "N S HV dk dv"]]
+)
+
+
+def _resolve(q, k, v, w, b, g, state, state_indices, scale, return_token_states, config, backend):
+    spec = DecodeSpec.from_inputs(
+        q, k, v, w, b, g, state, state_indices, scale, return_token_states
+    )
+    if config is None:
+        config = DEFAULT_CONFIG
+    elif not isinstance(config, KernelConfig):
+        raise TypeError(f"config: expected a KernelConfig or None, got {type(config).__name__}")
+    resolved = spec.resolved()
+    chosen = resolve_decode_backend(resolved, config, backend, platform=call_platform(q))
+    return spec, resolved, config, chosen
+
+
+def gdn2_decode(
+    q: Float[Array, "N S H dk"],
+    k: Float[Array, "N S H dk"],
+    v: Float[Array, "N S HV dv"],
+    w: Float[Array, "N S HV dv"],
+    b: Float[Array, "N S Hg dk"],
+    g: Float[Array, "N S Hg dk"],
+    state: Float[Array, "P HV dk dv"],
+    *,
+    state_indices: Int[Array, " N"] | None = None,
+    scale: float | None = None,
+    return_token_states: bool = False,
+    config: KernelConfig | None = None,
+    backend: str = AUTO,
+) -> DecodeOut:
+    """``S`` new tokens of each of ``N`` sequences against a state pool (inference only).
+
+    Each sequence ``n`` starts from the state in its slot ``state_indices[n]``, runs the GDN-2
+    recurrence over its ``S`` tokens (exactly as :func:`gdn2_forward` would over the same tokens
+    with that state as ``h0``), and leaves the state after its last token in the same slot.
+
+    Args:
+        q, k: ``(N, S, H, dk)``: query and key of the new tokens.
+        v, w: ``(N, S, HV, dv)``: value and write gate; ``HV`` a multiple of ``H`` (grouped value
+            heads: value head ``j`` reads key head ``j // (HV / H)``).
+        b, g: ``(N, S, H, dk)`` or ``(N, S, HV, dk)``: erase gate and log decay. The six share one
+            floating dtype (float32, bfloat16 or float64).
+        state: the pool ``(P, HV, dk, dv)``, float32 or bfloat16 (bfloat16 halves the memory a
+            serving batch needs; float64 too for float64 inputs). The arithmetic is float32
+            (float64 for float64 inputs) from the slot's value to the last token; the result is
+            rounded to the pool's dtype once per call.
+        state_indices: ``(N,)`` integers, the slot of each sequence, each in ``[0, P)`` and no slot
+            twice; None: sequence ``n`` uses slot ``n`` and ``P`` must equal ``N``. Concrete
+            indices are checked here. Under ``jax.jit`` they cannot be: a sequence whose index is
+            out of range, or whose slot another sequence of the call also names, is skipped:
+            nothing is read or written for it (every slot it does not own keeps its value) and its
+            outputs are NaN.
+        scale: query scale, a real number; None for ``dk ** -0.5``.
+        return_token_states: also return the state after each of the ``S`` tokens (for a
+            speculative decoder to roll back to the last accepted token).
+        config: read by backends with kernel options (``interpret``); None for the default.
+        backend: a backend name, or ``"auto"``: the ``GDN2_BACKEND`` environment variable when set,
+            else the highest-priority backend with a decode op that would run the call here. A
+            named backend never falls back to another one.
+
+    Returns:
+        ``(o, new_state)``, or ``(o, new_state, token_states)`` with ``return_token_states``:
+        o ``(N, S, HV, dv)`` in v's dtype; the pool ``(P, HV, dk, dv)`` in its dtype, the named
+        slots advanced and every other slot bit for bit as given; token_states
+        ``(N, S, HV, dk, dv)`` in the pool's dtype (the last equals the slot written back).
+
+        In place: the Pallas kernel writes the named slots of the pool it is given
+        (``input_output_aliases``). Donate the pool to the enclosing ``jax.jit``
+        (``donate_argnums``) and XLA updates it without a copy; without donation XLA first copies
+        the pool, so that the caller's array stays valid::
+
+            step = jax.jit(
+                lambda q, k, v, w, b, g, pool, idx: gdn2_decode(
+                    q, k, v, w, b, g, pool, state_indices=idx
+                ),
+                donate_argnums=(6,),
+            )
+            o, pool = step(q, k, v, w, b, g, pool, idx)  # the old pool array is consumed
+
+    Raises:
+        ValueError, TypeError: bad shapes, dtypes, scale, config, or (concrete) indices out of
+            range or repeated; the message names the argument, the expected and the actual value.
+        BackendNotFoundError: the named backend is not installed, or no backend can run the call.
+        BackendUnsupportedError: the named backend cannot run this call here (no decode op, or
+            its reason).
+    """
+    spec, resolved, config, chosen = _resolve(
+        q, k, v, w, b, g, state, state_indices, scale, return_token_states, config, backend
+    )
+    slots = sanitize_slots(state_indices, spec.n_seqs, spec.pool_size)
+    xs = [expand_heads(x, spec.heads) for x in (q, k)]
+    gates = [expand_heads(x, spec.heads) for x in (b, g)]
+    o, new_state, token_states = chosen.decode(
+        *xs, v, w, *gates, state, slots, spec=resolved, config=config
+    )
+    if return_token_states:
+        return o, new_state, token_states
+    return o, new_state
+
+
+def which_decode_backend(
+    q,
+    k,
+    v,
+    w,
+    b,
+    g,
+    state,
+    *,
+    state_indices=None,
+    scale=None,
+    return_token_states: bool = False,
+    config=None,
+    backend: str = AUTO,
+) -> str:
+    """The name of the backend a :func:`gdn2_decode` call with these arguments would run.
+
+    Args:
+        q, k, v, w, b, g, state, state_indices, scale, return_token_states, config, backend: as
+            for :func:`gdn2_decode`.
+
+    Returns:
+        The backend name.
+
+    Raises:
+        As :func:`gdn2_decode`.
+    """
+    *_, chosen = _resolve(
+        q, k, v, w, b, g, state, state_indices, scale, return_token_states, config, backend
+    )
+    return chosen.name
+
+
+def init_state_pool(
+    slots: int, value_heads: int, dk: int, dv: int, dtype=jax.numpy.float32
+) -> Float[Array, "P HV dk dv"]:
+    """An all-zero state pool (zeros: the state of a sequence that has seen no token).
+
+    Args:
+        slots: P.
+        value_heads: HV.
+        dk, dv: the head sizes.
+        dtype: float32 or bfloat16.
+
+    Returns:
+        ``(P, HV, dk, dv)`` zeros.
+    """
+    return jax.numpy.zeros((slots, value_heads, dk, dv), dtype)
+
+
+__all__ = ["gdn2_decode", "init_state_pool", "which_decode_backend"]
