@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import jax
 
-from gdn2_jax_ref.forward import gdn2_chunk_forward
+from gdn2_jax_ref.decode import gdn2_jax_decode
+from gdn2_jax_ref.forward import gdn2_chunk_forward, gdn2_chunk_forward_chunk_states
 from gdn2_jax_ref.params import ChunkParams
 from gdn2_jax_ref.vjp import gdn2_chunk_trainable
-from gdn2core.plugin import Backend, Capabilities, KernelConfig, OpSpec
+from gdn2core.plugin import Backend, Capabilities, DecodeSpec, KernelConfig, OpSpec
 
 
 class JaxRefBackend(Backend):
-    """Any dk/dv, float32/bfloat16/float64, trainable; always available."""
+    """Any dk/dv, float32/bfloat16/float64, trainable, decode and chunk states; always
+    available."""
 
     name = "jax_ref"
     priority = 100
-    capabilities = Capabilities()
+    capabilities = Capabilities(decode=True, chunk_states=True)
 
     def forward(
         self, q, k, v, w, b, g, h0, *, spec: OpSpec, config: KernelConfig
@@ -32,3 +34,20 @@ class JaxRefBackend(Backend):
         params = ChunkParams.from_spec(spec, config)
         o, h_final = gdn2_chunk_trainable(q, k, v, w, b, g, h0, params)
         return o, h_final.astype(h0.dtype)
+
+    def forward_chunk_states(
+        self, q, k, v, w, b, g, h0, *, spec: OpSpec, config: KernelConfig
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The chunked forward and every chunk-entry state (see
+        :meth:`gdn2core.plugin.Backend.forward_chunk_states`)."""
+        params = ChunkParams.from_spec(spec, config)
+        o, h_final, chunks = gdn2_chunk_forward_chunk_states(q, k, v, w, b, g, h0, params)
+        return o, h_final.astype(h0.dtype), chunks.astype(h0.dtype)
+
+    def decode(
+        self, q, k, v, w, b, g, state, slots, *, spec: DecodeSpec, config: KernelConfig
+    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """Gather the slots, run the tokens, scatter the states back (``decode.py``; see
+        :meth:`gdn2core.plugin.Backend.decode`)."""
+        del config
+        return gdn2_jax_decode(q, k, v, w, b, g, state, slots, spec)

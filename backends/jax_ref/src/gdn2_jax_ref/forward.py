@@ -8,6 +8,7 @@ G chunks at once.
 ``gdn2_chunk_forward`` is the inference entry; with ``keep_states=True`` it also returns the
 group-entry states ``[n_groups, B, H, K, V]`` (the entry states of every G-th chunk), the only
 non-input residual of the custom VJP; the backward recomputes the other chunk-entry states.
+``gdn2_chunk_forward_chunk_states`` returns every chunk-entry state (``return_chunk_states``).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ def plan_blocking(q: Float[Array, "B T H K"], v: Float[Array, "B T H V"], params
 
 def state_pass(
     L: ChunkLocal, S0: Float[Array, "B H K V"], scale: float
-) -> tuple[Float[Array, "G B H C V"], Float[Array, "B H K V"]]:
-    """Phase B for the chunks of one group. Returns ``(o, S_out)``.
+) -> tuple[Float[Array, "G B H C V"], Float[Array, "B H K V"], Float[Array, "G B H K V"]]:
+    """Phase B for the chunks of one group. Returns ``(o, S_out, S)``: S the chunk-entry states.
 
     Only F7 and F9 are sequential (two matmuls per chunk, :func:`entry_states`); F8,
     O = scale (Q_tilde S + A_qk R), then runs for the G chunks at once.
@@ -41,7 +42,7 @@ def state_pass(
     o = scale * (
         einsum("...ck,...kv->...cv", L.Q_tilde, S) + einsum("...cs,...sv->...cv", L.A_qk, R)
     )  # F8 [G, B, H, C, V]
-    return o, S_out
+    return o, S_out, S
 
 
 def entry_states(
@@ -73,6 +74,31 @@ def gdn2_chunk_forward(
 ) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"], Float[Array, "n B H K V"] | None]:
     """Chunkwise GDN-2 forward. Returns ``(o, h_final, states)``: o in v's dtype, h_final and the
     group-entry states (None unless ``keep_states``) in the accumulation dtype."""
+    o, h_final, states, _ = _chunk_forward(q, k, v, w, b, g, h0, params, keep_states, False)
+    return o, h_final, states
+
+
+def gdn2_chunk_forward_chunk_states(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B T H K"],
+    v: Float[Array, "B T H V"],
+    w: Float[Array, "B T H V"],
+    b: Float[Array, "B T H K"],
+    g: Float[Array, "B T H K"],
+    h0: Float[Array, "B H K V"],
+    params: ChunkParams,
+) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"], Float[Array, "B NC H K V"]]:
+    """The forward that also returns the state entering every chunk (prefix caching):
+    ``(o, h_final, chunk_states)``, chunk_states ``[B, ceil(T / C), H, K, V]`` in the
+    accumulation dtype, entry ``i`` the state after the first ``i C`` tokens."""
+    o, h_final, _, chunks = _chunk_forward(q, k, v, w, b, g, h0, params, False, True)
+    n_chunks = max(1, -(-q.shape[1] // params.bt))
+    chunks = chunks.reshape(-1, *chunks.shape[2:])[:n_chunks]  # [NC, B, H, K, V]
+    return o, h_final, jnp.swapaxes(chunks, 0, 1)
+
+
+def _chunk_forward(q, k, v, w, b, g, h0, params: ChunkParams, keep_states: bool, chunks: bool):
+    """``(o, h_final, group-entry states | None, chunk-entry states [n, G, B, H, K, V] | None)``."""
     acc = params.acc_dtype
     bsz, seq, heads, _ = q.shape
     blk = plan_blocking(q, v, params)
@@ -83,11 +109,14 @@ def gdn2_chunk_forward(
         S, o_buf = carry  # [B, H, K, V], [B, Tp, H, V]
         chunks = [load_group(x, i, blk, acc) for x in inputs]  # [G, B, H, C, d]
         L = chunk_local(*chunks, params=params)
-        o, S_next = state_pass(L, S, params.scale)
-        return (S_next, store_group(o_buf, o, i, blk)), (S if keep_states else None)
+        o, S_next, S_chunks = state_pass(L, S, params.scale)
+        kept = (S if keep_states else None, S_chunks if chunks else None)
+        return (S_next, store_group(o_buf, o, i, blk)), kept
 
     carry0 = (h0.astype(acc), o_buf)
-    (h_final, o_buf), states = lax.scan(group_step, carry0, jnp.arange(blk.n_groups))
+    (h_final, o_buf), (states, chunk_states) = lax.scan(
+        group_step, carry0, jnp.arange(blk.n_groups)
+    )
     o = probe("jax_ref o", o_buf[:, :seq])  # [B, T, H, V]
     h_final = probe("jax_ref h_final", h_final)  # [B, H, K, V]
-    return o, h_final, states
+    return o, h_final, states, chunk_states
