@@ -44,7 +44,9 @@ def test_wrong_backend_fails_naming_the_capability(tmp_path):
 def test_target_is_derived_from_declared_capabilities(tmp_path):
     pallas = Target.for_backend("pallas_tpu")  # on this CPU host: interpret mode, no vmap
     assert pallas.config.interpret and pallas.head_sizes == ((64, 64), (64, 128), (128, 64))
-    assert pallas.features == {Feature.FORWARD, Feature.TRAINABLE, Feature.BFLOAT16}
+    assert pallas.features == {
+        Feature.FORWARD, Feature.TRAINABLE, Feature.BFLOAT16, Feature.DECODE
+    }  # fmt: skip
     jax_ref = Target.for_backend("jax_ref")
     assert jax_ref.features == set(Feature) and not jax_ref.config.interpret
     with installed_plugins(tmp_path, "gdn2-toy-backend"):
@@ -68,6 +70,8 @@ def test_metric_and_tolerances():
     with pytest.raises(ValueError, match="shape mismatch"):
         rel_err(ref[:5], ref)
     assert tolerance("float32", "o (fwd)") == tolerance("float32", Quantity.OUT) == 1e-4
+    assert tolerance("float32", "state (decode)") == tolerance("float32", Quantity.DECODE) == 1e-5
+    assert tolerance("bfloat16", "o (decode)") == 2e-2
     assert tolerance("float32", "dg") == 3e-4
     assert tolerance("float32", "dg", "tpu") == pytest.approx(3e-3)  # default-precision matmuls
     assert tolerance("bfloat16", "h_final", "tpu") == 3e-2

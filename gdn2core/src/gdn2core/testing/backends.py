@@ -7,6 +7,7 @@ construction (autodiff gradients, any shape, slow). Named only: ``backend="auto"
 from __future__ import annotations
 
 from gdn2core.backend import Backend, Capabilities
+from gdn2core.decode_reference import gdn2_decode_reference
 from gdn2core.reference import gdn2_token_serial_reference
 
 
@@ -21,7 +22,7 @@ class ReferenceBackend(Backend):
 
     name = "token_serial"
     priority = 0
-    capabilities = Capabilities(auto=False)
+    capabilities = Capabilities(auto=False, decode=True)
 
     def __init__(
         self,
@@ -41,3 +42,10 @@ class ReferenceBackend(Backend):
         """The reference's ``(o, h_final)`` (see :class:`~gdn2core.plugin.Backend`)."""
         del config
         return gdn2_token_serial_reference(q, k, v, w, b, g, spec.scale, h0)
+
+    def decode(self, q, k, v, w, b, g, state, slots, *, spec, config):
+        """The decode reference (see :meth:`~gdn2core.plugin.Backend.decode`)."""
+        del config
+        return gdn2_decode_reference(
+            q, k, v, w, b, g, state, slots, spec.scale, return_token_states=spec.token_states
+        ) + (() if spec.token_states else (None,))

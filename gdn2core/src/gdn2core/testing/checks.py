@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdn2core.decode_reference import gdn2_decode_reference
 from gdn2core.reference import gdn2_token_serial_reference
-from gdn2core.testing.inputs import GRAD_NAMES, Inputs
+from gdn2core.testing.inputs import GRAD_NAMES, DecodeInputs, Inputs
 
 OpFn = Callable[..., tuple[jax.Array, jax.Array]]
 
@@ -108,3 +109,25 @@ def check_central_differences(loss: Callable, primals, *, seed: int = 7, eps: fl
         assert abs(fd - ad) <= 1e-6 * max(1.0, abs(ad)), (
             f"{name}: central difference {fd} vs autodiff {ad}"
         )
+
+
+def decode_reference_outputs(x: DecodeInputs):
+    """The ground truth of a decode call: the decode reference on the same input values computed
+    in the accumulation dtype (float32; float64 for float64 inputs), at the highest matmul
+    precision, with the per-token states.
+
+    Args:
+        x: the decode inputs (the pool keeps its dtype: a bfloat16 pool is rounded as the
+            backend's is).
+
+    Returns:
+        ``(o, new_state, token_states)``.
+    """
+    acc = jnp.float64 if x.q.dtype == jnp.float64 else jnp.float32
+    wide = x.astype(acc)
+
+    def run(q, k, v, w, b, g, state, idx):
+        return gdn2_decode_reference(q, k, v, w, b, g, state, idx, None, return_token_states=True)
+
+    with jax.default_matmul_precision("highest"):
+        return jax.jit(run)(*wide.args, wide.state, wide.state_indices)

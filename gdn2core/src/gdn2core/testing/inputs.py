@@ -191,3 +191,129 @@ def make_inputs(case: Case, dtype=jnp.float32) -> Inputs:
         do=arr("do", acc),
         dh=arr("dh", acc),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+    """One decode configuration: ``N`` sequences of ``S`` new tokens, ``H`` key heads and ``HV``
+    value heads (b and g with ``gate_heads``: H or HV; 0 means H), and a pool of ``P`` slots
+    (0: one slot per sequence and no ``state_indices``)."""
+
+    N: int = 2
+    S: int = 1
+    H: int = 1
+    HV: int = 2
+    gate_heads: int = 0
+    dk: int = 8
+    dv: int = 8
+    P: int = 0
+    b_max: float = 1.0
+    decay: Decay = Decay.MIXED
+    seed: int = 0
+
+    @property
+    def indexed(self) -> bool:
+        """Whether the call names slots (``state_indices``)."""
+        return self.P > 0
+
+    @property
+    def id(self) -> str:
+        """A test id naming every field."""
+        gates = self.gate_heads or self.H
+        pool = f"P{self.P}" if self.indexed else "Pn"
+        return (
+            f"N{self.N}S{self.S}H{self.H}HV{self.HV}Hg{gates}k{self.dk}v{self.dv}{pool}"
+            f"-b{self.b_max:g}-{self.decay}-s{self.seed}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeInputs:
+    """The arguments of one decode call (``state_indices`` None: slot n for sequence n)."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    w: jax.Array
+    b: jax.Array
+    g: jax.Array
+    state: jax.Array
+    state_indices: jax.Array | None
+
+    @property
+    def args(self) -> tuple[jax.Array, ...]:
+        """``(q, k, v, w, b, g)``."""
+        return (self.q, self.k, self.v, self.w, self.b, self.g)
+
+    def astype(self, dtype) -> DecodeInputs:
+        """q..g in ``dtype`` (the pool keeps its dtype).
+
+        Args:
+            dtype: the new input dtype.
+
+        Returns:
+            The cast inputs.
+        """
+        return dataclasses.replace(self, **{n: getattr(self, n).astype(dtype) for n in INPUT_NAMES})
+
+    def with_pool_dtype(self, dtype) -> DecodeInputs:
+        """The pool in ``dtype`` (float32 or bfloat16).
+
+        Args:
+            dtype: the pool dtype.
+
+        Returns:
+            The inputs with the pool cast.
+        """
+        return dataclasses.replace(self, state=self.state.astype(dtype))
+
+
+def make_decode_arrays(case: DecodeCase) -> dict[str, np.ndarray]:
+    """Float64 NumPy arrays for a decode case, from the same distributions as :func:`make_arrays`
+    (the key-side inputs of key head ``h`` are drawn as those of value head ``h * HV / H``).
+
+    Args:
+        case: the shape, knobs and seed.
+
+    Returns:
+        ``{"q", "k", "v", "w", "b", "g", "state", "state_indices"}``; ``"state"`` is the pool
+        ``(P, HV, dk, dv)`` (``P = N`` when the case names no slots) ~ ``0.5 N(0, 1)``, and
+        ``"state_indices"`` (absent when the case names no slots) N distinct slots in a random
+        order.
+    """
+    full = make_arrays(
+        Case(B=case.N, T=case.S, H=case.HV, dk=case.dk, dv=case.dv, h0=False,
+             b_max=case.b_max, decay=case.decay, seed=case.seed)
+    )  # fmt: skip
+    group = case.HV // case.H
+    gates = case.gate_heads or case.H
+    out = {n: full[n] for n in ("v", "w")}
+    out.update({n: full[n][:, :, ::group] for n in ("q", "k")})
+    out.update({n: full[n][:, :, :: case.HV // gates] for n in ("b", "g")})
+    rng = np.random.default_rng(case.seed + 1000)
+    slots = case.P if case.indexed else case.N
+    out["state"] = 0.5 * rng.standard_normal((slots, case.HV, case.dk, case.dv))
+    if case.indexed:
+        out["state_indices"] = rng.permutation(case.P)[: case.N]
+    return out
+
+
+def make_decode_inputs(case: DecodeCase, dtype=jnp.float32, pool_dtype=jnp.float32) -> DecodeInputs:
+    """JAX inputs of a decode case: q..g in ``dtype``, the pool in ``pool_dtype``, int32 indices.
+
+    Args:
+        case: the shape, knobs and seed.
+        dtype: the input dtype.
+        pool_dtype: the pool dtype.
+
+    Returns:
+        The :class:`DecodeInputs`.
+    """
+    arrays = make_decode_arrays(case)
+    acc = np.float64 if jnp.dtype(dtype) == jnp.float64 else np.float32
+    xs = {n: jnp.asarray(arrays[n].astype(acc), dtype=dtype) for n in INPUT_NAMES}
+    state = jnp.asarray(arrays["state"].astype(acc), dtype=pool_dtype)
+    idx = arrays.get("state_indices")
+    return DecodeInputs(
+        **xs, state=state, state_indices=None if idx is None else jnp.asarray(idx, jnp.int32)
+    )

@@ -3,8 +3,9 @@
 - ``pytest --gdn2-backend NAME`` (repeatable) adds the suite (:mod:`gdn2core.testing.suite`) for
   the installed backend NAME to the session; ``gdn2 conformance NAME`` runs just that.
 - Tests of a :class:`~gdn2core.testing.suite.ConformanceSuite` subclass are parametrized over its
-  ``targets`` (or the ``--gdn2-backend`` targets) and their cases; a test whose feature no target
-  claims is deselected, not skipped.
+  ``targets`` (or the ``--gdn2-backend`` targets) and their cases (``gdn2_case``) or decode cases
+  (``gdn2_decode_case``); a test runs on the targets that claim every feature it needs, and one
+  that no target can run is deselected, not skipped.
 - The run ends with pass/fail per backend and capability.
 
 Importing this module imports nothing of gdn2core (every pytest session in an environment with
@@ -61,12 +62,17 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     targets = getattr(metafunc.cls, "targets", None)
     if targets is None:
         targets = _option_targets(metafunc.config)
-    feature = getattr(metafunc.function, "gdn2_feature", None)
-    chosen = [t for t in targets if feature is None or feature in t.features]
-    with_case = "gdn2_case" in metafunc.fixturenames
-    names = ("gdn2_target", "gdn2_case") if with_case else ("gdn2_target",)
-    if with_case:
-        params = [pytest.param(t, c, id=f"{t.id}-{c.id}") for t in chosen for c in t.cases()]
+    needs = getattr(metafunc.function, "gdn2_requires", frozenset())
+    chosen = [t for t in targets if needs <= t.features]
+    case_fixture = next(
+        (n for n in ("gdn2_case", "gdn2_decode_case") if n in metafunc.fixturenames), None
+    )
+    names = ("gdn2_target",) if case_fixture is None else ("gdn2_target", case_fixture)
+    if case_fixture is not None:
+        cases = (
+            (lambda t: t.cases()) if case_fixture == "gdn2_case" else (lambda t: t.decode_cases())
+        )
+        params = [pytest.param(t, c, id=f"{t.id}-{c.id}") for t in chosen for c in cases(t)]
     else:
         params = [pytest.param(t, id=t.id) for t in chosen]
     if not params:
