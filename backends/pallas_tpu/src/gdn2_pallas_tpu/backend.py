@@ -6,6 +6,9 @@
   an eager call off a TPU without it; a traced call cannot know its target platform yet (a CPU host
   may lower for TPU) and is guarded when it is lowered (``vjp.py``).
 - ``supports()``: chunk lengths of the level scheme (plan.py) whose VMEM byte model fits.
+- ``decode``: the decode kernel (kernels_decode.py) for S up to 128 tokens per call, a float32 or
+  bfloat16 pool (``supports_decode``: decode_plan.py). No chunk states yet
+  (``return_chunk_states`` is refused: ``Capabilities.chunk_states`` is False).
 - ``config.bc``, ``config.mb`` and ``config.clip`` are not read: the level scheme has no
   sub-chunks and never forms a positive exponent (chunk_math.py).
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import jax
 
+from gdn2_pallas_tpu.decode_plan import check_decode_plan, make_decode_plan
 from gdn2_pallas_tpu.plan import (
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_SIZES,
@@ -25,6 +29,7 @@ from gdn2core.plugin import (
     YES,
     Backend,
     Capabilities,
+    DecodeSpec,
     KernelConfig,
     OpSpec,
     Verdict,
@@ -55,6 +60,7 @@ class PallasTpuBackend(Backend):
         trainable=True,
         platforms=("tpu",),
         interpret=True,
+        decode=True,
     )
 
     def supports(self, spec: OpSpec, config: KernelConfig) -> Verdict:
@@ -83,3 +89,18 @@ class PallasTpuBackend(Backend):
         plan = make_plan(spec, config, vmem_capacity_bytes(q))
         o, h_final = gdn2_pallas_trainable(q, k, v, w, b, g, h0, plan)
         return probe("pallas_tpu o", o), probe("pallas_tpu h_final", h_final)
+
+    def supports_decode(self, spec: DecodeSpec, config: KernelConfig) -> Verdict:
+        """Head sizes, dtypes, S and the VMEM fit of the decode kernel (decode_plan.py)."""
+        reason = check_decode_plan(spec, config)
+        return Verdict(False, reason) if reason else YES
+
+    def decode(
+        self, q, k, v, w, b, g, state, slots, *, spec: DecodeSpec, config: KernelConfig
+    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """The decode kernel, in place on the pool (see :meth:`gdn2core.plugin.Backend.decode`)."""
+        _check_platform(q, config)
+        from gdn2_pallas_tpu.decode_op import gdn2_pallas_decode
+
+        plan = make_decode_plan(spec, config, vmem_capacity_bytes(q))
+        return gdn2_pallas_decode(q, k, v, w, b, g, state, slots, plan, indexed=spec.indexed)

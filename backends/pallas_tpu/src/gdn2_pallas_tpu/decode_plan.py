@@ -1,0 +1,196 @@
+"""The static plan of one decode call: heads per grid step, VMEM, cost.
+
+A decode step reads every named pool slot once and writes it once; that traffic bounds it (a few
+FLOPs per state element per token). A grid step takes ``hb`` heads of one sequence: the pool's
+BlockSpec maps the ``(hb, K, V)`` block of the sequence's slot (a scalar-prefetched index), and
+Pallas's pipeline reads the next step's block and writes the previous one back while a step
+computes, so the HBM traffic overlaps the compute (kernels_decode.py).
+
+Block choice: about :data:`STEP_STATE_BYTES` of float32 state per step (measured with
+``gdn2_tools.static_profile``, docs/operator.md). Smaller blocks pay the per-step overhead (about
+0.35 us); larger ones leave the first read and the last write unoverlapped (at N = 1 one step of
+all 32 heads of d = 128 serialises read, compute and write). ``hb`` is the smallest divisor of HV
+that tiles the token blocks (a multiple of 8 sublanes, 16 for bfloat16 inputs, or HV itself) with
+at least that much state, at most :data:`MAX_HEADS_PER_STEP` (the head loop is unrolled).
+
+VMEM per step: the pool block in and out, double-buffered, ``4 hb K V`` in the pool's dtype; a
+float32 working copy when the pool is bfloat16 and S > 1 (the state stays float32 across the
+tokens of a call); double-buffered token blocks ``2 S hb (4 K + 3 V)``; the token states
+``2 S hb K V``; live float32 temporaries of one head (a few ``[K, V]``) and the transposed rows
+``4 hb K``. At 8 heads of 128 x 128, float32, S = 1: about 2.2 MiB.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Final
+
+import jax.numpy as jnp
+
+from gdn2_pallas_tpu.plan import (
+    DEFAULT_VMEM_CAPACITY,
+    F32_BYTES,
+    NUM_SUBLANES,
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_SIZES,
+    VMEM_PLAN_SHARE,
+    vmem_capacity_bytes,
+)
+from gdn2core.plugin import DecodeSpec, KernelConfig
+
+#: Float32 state bytes a grid step aims at (8 heads of 128 x 128; see the module docstring).
+STEP_STATE_BYTES: Final = 512 * 1024
+#: Heads of a step at most (the head loop is unrolled in the kernel).
+MAX_HEADS_PER_STEP: Final = 32
+#: Tokens per call at most: a chunk of the chunked kernels (speculative verification).
+MAX_TOKENS: Final = 128
+POOL_DTYPES: Final = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """Static description of one decode call (hashable: a jit static)."""
+
+    n_seqs: int  # N
+    tokens: int  # S
+    heads: int  # HV
+    dk: int
+    dv: int
+    dtype: str  # token inputs
+    state_dtype: str  # the pool
+    pool_size: int  # P
+    scale: float
+    token_states: bool
+    hb: int  # heads per step
+    vmem_limit_bytes: int
+    interpret: bool
+
+    @property
+    def head_blocks(self) -> int:
+        return self.heads // self.hb
+
+    @property
+    def n_steps(self) -> int:
+        return self.head_blocks * self.n_seqs
+
+    @property
+    def staged_f32(self) -> bool:
+        """A float32 working copy of the step's state: a bfloat16 pool with several tokens."""
+        return self.state_dtype != "float32" and self.tokens > 1
+
+    @property
+    def state_itemsize(self) -> int:
+        return jnp.dtype(self.state_dtype).itemsize
+
+    @property
+    def itemsize(self) -> int:
+        return jnp.dtype(self.dtype).itemsize
+
+    def grid(self) -> tuple[int, int]:
+        """(head block, sequence): the sequences sequential (a skipped sequence revisits its
+        neighbour's block), the head blocks parallel (disjoint memory)."""
+        return (self.head_blocks, self.n_seqs)
+
+
+def _sublanes(dtype: str) -> int:
+    """Rows of a token block's (heads, d) tile: 8 for float32, 16 for bfloat16 (packed)."""
+    return NUM_SUBLANES * (4 // jnp.dtype(dtype).itemsize)
+
+
+def head_block(spec: DecodeSpec) -> int:
+    """The heads of a step: the smallest tiling divisor of HV with at least
+    :data:`STEP_STATE_BYTES` of float32 state, at most :data:`MAX_HEADS_PER_STEP` (else HV)."""
+    head_bytes = spec.dk * spec.dv * F32_BYTES
+    tiling = [
+        h
+        for h in range(1, spec.heads + 1)
+        if spec.heads % h == 0
+        and (h == spec.heads or h % _sublanes(spec.dtype) == 0)
+        and h <= MAX_HEADS_PER_STEP
+    ]
+    if not tiling:
+        return spec.heads
+    big = [h for h in tiling if h * head_bytes >= STEP_STATE_BYTES]
+    return min(big) if big else max(tiling)
+
+
+def vmem_bytes(plan: DecodePlan) -> dict[str, int]:
+    """The VMEM byte model of one grid step (module docstring)."""
+    K, V, hb, S = plan.dk, plan.dv, plan.hb, plan.tokens
+    blocks = 4 * hb * K * V * plan.state_itemsize
+    work = hb * K * V * F32_BYTES if plan.staged_f32 else 0
+    tokens = 2 * S * hb * (4 * K + 3 * V) * plan.itemsize
+    states = 2 * S * hb * K * V * plan.state_itemsize if plan.token_states else 0
+    live = F32_BYTES * (6 * K * V + 8 * hb * max(K, V))
+    total = blocks + work + tokens + states + live
+    return {"blocks": blocks, "work": work, "tokens": tokens, "token_states": states,
+            "live": live, "total": total}  # fmt: skip
+
+
+def vmem_limit(plan_bytes: int, capacity: int) -> int:
+    """The scoped VMEM limit of the call: twice the byte model, at least 16 MiB, at most the
+    capacity (the whole capacity would leave XLA's own ops none)."""
+    return int(min(capacity, max(16 * 2**20, 2 * plan_bytes)))
+
+
+def make_decode_plan(
+    spec: DecodeSpec, config: KernelConfig, vmem_capacity: int | None = None
+) -> DecodePlan:
+    """The plan of one call (module docstring)."""
+    capacity = vmem_capacity_bytes() if vmem_capacity is None else vmem_capacity
+    plan = DecodePlan(
+        n_seqs=spec.n_seqs,
+        tokens=spec.tokens,
+        heads=spec.heads,
+        dk=spec.dk,
+        dv=spec.dv,
+        dtype=spec.dtype,
+        state_dtype=spec.state_dtype,
+        pool_size=spec.pool_size,
+        scale=float(spec.scale),
+        token_states=spec.token_states,
+        hb=head_block(spec),
+        vmem_limit_bytes=capacity,
+        interpret=bool(config.interpret),
+    )
+    limit = vmem_limit(vmem_bytes(plan)["total"], capacity)
+    return dataclasses.replace(plan, vmem_limit_bytes=limit)
+
+
+def check_decode_plan(spec: DecodeSpec, config: KernelConfig) -> str | None:
+    """``None`` when the decode kernel can run this call, else the reason."""
+    if spec.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {spec.dtype} not in {SUPPORTED_DTYPES}"
+    if spec.dk not in SUPPORTED_HEAD_SIZES or spec.dv not in SUPPORTED_HEAD_SIZES:
+        return f"dk={spec.dk}, dv={spec.dv}: head sizes {SUPPORTED_HEAD_SIZES} only"
+    if spec.state_dtype not in POOL_DTYPES:
+        return f"state dtype {spec.state_dtype} not in {POOL_DTYPES}"
+    if spec.tokens > MAX_TOKENS:
+        return (
+            f"S={spec.tokens} tokens per call: at most {MAX_TOKENS} (a chunk; prefill longer runs)"
+        )
+    plan = make_decode_plan(spec, config, DEFAULT_VMEM_CAPACITY)
+    need, budget = vmem_bytes(plan)["total"], int(VMEM_PLAN_SHARE * DEFAULT_VMEM_CAPACITY)
+    if need > budget:
+        return (
+            f"decode kernel needs ~{need / 2**20:.1f} MiB of VMEM per grid step ({plan.hb} heads, "
+            f"S={spec.tokens}, token states {spec.token_states}; budget {budget / 2**20:.0f} MiB)"
+        )
+    return None
+
+
+def cost_decode(plan: DecodePlan) -> dict[str, int]:
+    """``pl.CostEstimate`` of the decode call: per head and token, two reads of the state and its
+    update (``~10 K V`` flops on the VPU), ``K`` exponentials; the pool slots once each way, the
+    token blocks, o and the token states."""
+    K, V, S = plan.dk, plan.dv, plan.tokens
+    unit_tokens = plan.n_seqs * plan.heads * S
+    state = plan.n_seqs * plan.heads * K * V * plan.state_itemsize
+    io = 2 * state + unit_tokens * ((4 * K + 3 * V) * plan.itemsize)
+    if plan.token_states:
+        io += unit_tokens * K * V * plan.state_itemsize
+    return {
+        "flops": int(unit_tokens * 10 * K * V),
+        "transcendentals": int(unit_tokens * K),
+        "bytes_accessed": int(io),
+    }
