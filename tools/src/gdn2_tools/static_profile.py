@@ -52,10 +52,14 @@ LABEL: Final = "TPU compiler static cycle estimate (libtpu LLO profile), not a m
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """What to compile: one backend's forward or train step through the public op."""
+    """What to compile: one backend's forward, train step or decode step through the public op.
+
+    For ``mode="decode"``: ``B`` is the number of sequences N, ``T`` the tokens per sequence S,
+    ``H`` the key heads, ``value_heads`` HV (0: H), and the pool is ``pool_dtype`` with one slot
+    per sequence, donated (:func:`gdn2_tools.tpu.compile_decode`)."""
 
     backend: str
-    mode: str  # "forward" or "train"
+    mode: str  # "forward", "train" or "decode"
     B: int
     T: int
     H: int
@@ -63,6 +67,8 @@ class Program:
     dv: int
     dtype: str
     config: str = "default"  # "default" or a gdn2core.PRESETS name
+    value_heads: int = 0
+    pool_dtype: str = "float32"
 
     def at(self, B: int, T: int) -> Program:
         return dataclasses.replace(self, B=B, T=T)
@@ -207,14 +213,21 @@ def _child_main(argv: Sequence[str]) -> int:
     """``python -m gdn2_tools.static_profile PROGRAM_JSON TPU WORKDIR``: compile and write
     ``hlo.txt`` and ``meta.json`` (the profile itself is written by libtpu)."""
     program, tpu, work = Program(**json.loads(argv[0])), argv[1], argv[2]
-    from gdn2_tools.tpu import TOPOLOGIES, compile_op
+    from gdn2_tools.tpu import TOPOLOGIES, compile_decode, compile_op
     from gdn2core import DEFAULT_CONFIG, PRESETS
 
     config = DEFAULT_CONFIG if program.config == "default" else PRESETS[program.config]
-    compiled = compile_op(
-        program.backend, TOPOLOGIES[tpu], program.mode,
-        program.B, program.T, program.H, program.dk, program.dv, program.dtype, config,
-    )  # fmt: skip
+    if program.mode == "decode":
+        compiled = compile_decode(
+            program.backend, TOPOLOGIES[tpu], program.B, program.T, program.H,
+            program.value_heads or program.H, program.dk, program.dv, program.dtype,
+            program.pool_dtype, config=config,
+        )  # fmt: skip
+    else:
+        compiled = compile_op(
+            program.backend, TOPOLOGIES[tpu], program.mode,
+            program.B, program.T, program.H, program.dk, program.dv, program.dtype, config,
+        )  # fmt: skip
     hlo = compiled.as_text()
     with open(os.path.join(work, "hlo.txt"), "w") as f:
         f.write(hlo)
@@ -303,6 +316,10 @@ def estimate(
         if code == 0 or not crashed:
             break
         unprofiled.update(crashed)
+        if not os.path.exists(os.path.join(work, "hlo.txt")):  # aborted before writing it
+            code, log = _compile_child(program, tpu, work, list(extra_flags), timeout_s, max_rss_gb)
+            if code != 0:
+                break
         names = re.findall(r"^\s*(?:ROOT )?%(\S+) = ", _read(work, "hlo.txt"), re.M)
         done = read_profiles(profile_dir)
         todo = [n for n in names if n not in done and n not in unprofiled]

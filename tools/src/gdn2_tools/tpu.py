@@ -43,18 +43,20 @@ def topology_mesh(topology: str, axis: str = "x") -> Mesh:
     return Mesh(np.array(list(topo.devices)), (axis,))
 
 
-def compile_for_tpu(fn, *args: Any):
+def compile_for_tpu(fn, *args: Any, donate_argnums: tuple[int, ...] = ()):
     """``jax.jit(fn)`` traced on ``args`` (``ShapeDtypeStruct`` on a TPU mesh), lowered for TPU,
     compiled.
 
     Args:
         fn: the function.
         *args: its abstract arguments.
+        donate_argnums: arguments whose buffers the program may reuse for its outputs.
 
     Returns:
         The compiled executable (``.as_text()``, ``.memory_analysis()``).
     """
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).compile()
+    jitted = jax.jit(fn, donate_argnums=donate_argnums)
+    return jitted.trace(*args).lower(lowering_platforms=("tpu",)).compile()
 
 
 def compile_op(
@@ -96,3 +98,54 @@ def compile_op(
     if mode != "train":
         raise ValueError(f"mode: expected 'forward' or 'train', got {mode!r}")
     return compile_for_tpu(train_step(backend=backend, config=config), *specs)
+
+
+def compile_decode(
+    backend: str,
+    topology: str,
+    N: int,
+    S: int,
+    H: int,
+    HV: int,
+    dk: int,
+    dv: int,
+    dtype: str,
+    pool_dtype: str = "float32",
+    *,
+    pool_size: int | None = None,
+    token_states: bool = False,
+    config: KernelConfig | None = None,
+):
+    """Compile one decode step (``gdn2_decode`` with ``state_indices``, the pool donated, as a
+    server runs it) for a TPU topology.
+
+    Args:
+        backend: the backend name.
+        topology: e.g. ``"v5e:1x1"``.
+        N, S, H, HV, dk, dv: sequences, tokens per sequence, key and value heads, head sizes.
+        dtype: the token dtype.
+        pool_dtype: the pool dtype (float32 or bfloat16).
+        pool_size: P (None: N).
+        token_states: also return the per-token states.
+        config: the kernel config (None: the default).
+
+    Returns:
+        The compiled executable.
+    """
+    from gdn2core.decode import gdn2_decode
+
+    mesh = topology_mesh(topology)
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    dt = jnp.dtype(dtype)
+    key = jax.ShapeDtypeStruct((N, S, H, dk), dt, sharding=rep)
+    val = jax.ShapeDtypeStruct((N, S, HV, dv), dt, sharding=rep)
+    pool = jax.ShapeDtypeStruct((pool_size or N, HV, dk, dv), jnp.dtype(pool_dtype), sharding=rep)
+    idx = jax.ShapeDtypeStruct((N,), jnp.int32, sharding=rep)
+
+    def step(q, k, v, w, b, g, state, state_indices):
+        return gdn2_decode(
+            q, k, v, w, b, g, state, state_indices=state_indices,
+            return_token_states=token_states, config=config, backend=backend,
+        )  # fmt: skip
+
+    return compile_for_tpu(step, key, key, val, val, key, key, pool, idx, donate_argnums=(6,))
