@@ -97,9 +97,15 @@ class Block(nnx.Module):
         self.up = nnx.Linear(d_model, 4 * d_model, rngs=rngs)
         self.down = nnx.Linear(4 * d_model, d_model, rngs=rngs)
 
-    def __call__(self, x):
-        x = x + self.mixer(self.norm1(x))
-        return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
+    def __call__(self, x, cache=None):
+        """``x`` -> the block's output; with a ``GDN2Cache``, ``(output, new_cache)``."""
+        if cache is None:
+            x = x + self.mixer(self.norm1(x))
+        else:
+            mixed, cache = self.mixer(self.norm1(x), cache=cache)
+            x = x + mixed
+        x = x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
+        return x if cache is None else (x, cache)
 
 
 class MQARModel(nnx.Module):
@@ -125,11 +131,23 @@ class MQARModel(nnx.Module):
         self.norm = nnx.RMSNorm(d_model, rngs=rngs)
         self.head = nnx.Linear(d_model, vocab, rngs=rngs)
 
-    def __call__(self, tokens):
+    def __call__(self, tokens, caches=None):
+        """Logits ``(B, T, vocab)``; with ``caches`` (one ``GDN2Cache`` per block, see
+        :meth:`init_cache`), ``(logits, new_caches)``: a prompt, then one token at a time."""
         x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+        new = []
+        for i, block in enumerate(self.blocks):
+            if caches is None:
+                x = block(x)
+            else:
+                x, cache = block(x, caches[i])
+                new.append(cache)
+        logits = self.head(self.norm(x))
+        return logits if caches is None else (logits, new)
+
+    def init_cache(self, batch, **kw):
+        """One empty ``GDN2Cache`` per block (``kw``: ``GDN2Layer.init_cache`` options)."""
+        return [block.mixer.init_cache(batch, **kw) for block in self.blocks]
 
 
 def loss_and_acc(model, tokens, targets, mask):

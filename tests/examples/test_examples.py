@@ -99,3 +99,17 @@ def test_train_mqar_two_devices():
     assert "devices: 2 cpu; mesh {'data': 2}" in out, out
     assert "batch sharded 2 per device" in out, out
     assert "final eval accuracy" in out, out
+
+
+def test_generate_prefill_and_decode_match_one_forward():
+    """A few training steps, then prefill + decode steps: the script checks the served logits
+    against one forward itself (exit status 1 on a mismatch)."""
+    name = _backend()
+    tiny = (
+        "--train-steps", "2", "--batch", "4", "--gen-batch", "2", "--pairs", "4", "--vocab", "16",
+        "--d-model", "16", "--layers", "1", "--heads", "1", "--head-dim", "8", "--chunk", "4",
+    )  # fmt: skip
+    out = _run("generate.py", "--backend", name, *tiny)
+    assert f"backend: decode {name}" in out, out
+    assert "prefill 9 tokens + 3 decode steps x 2 sequences" in out, out
+    assert "relative error" in out and "tokens/s" in out, out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -141,3 +142,58 @@ def test_mesh_axes_passed_through(ref_backend, monkeypatch):
     np.testing.assert_allclose(
         nnx.jit(lambda m, x: m(x))(sharded, x), y_plain, rtol=1e-5, atol=1e-6
     )
+
+
+@functools.partial(nnx.jit, static_argnums=3)
+def _serve(m, x, cache, decode=None):
+    return m(x, cache=cache, decode=decode)
+
+
+def _served(layer, x, splits, state_dtype=jnp.float32, decode=None):
+    """y of ``layer`` fed ``x`` in pieces (``splits``: the cut points) through its cache."""
+    cache = layer.init_cache(x.shape[0], state_dtype=state_dtype)
+    ys, start = [], 0
+    for stop in (*splits, x.shape[1]):
+        y, cache = _serve(layer, x[:, start:stop], cache, decode)
+        ys.append(y)
+        start = stop
+    return jnp.concatenate(ys, axis=1), cache
+
+
+def test_cache_prefill_and_decode_steps_equal_one_call(ref_backend):
+    """A prompt of 5, a second prompt of 3, then 4 one-token decode steps: the outputs of one call
+    over the 12 tokens (the short convolutions and the state carried in the cache). Both are the
+    float32 token-serial reference on the same values, so they agree to rounding: 1e-5."""
+    layer = _layer(ref_backend.name, expand_v=2, lift_b=True)
+    x = _x(T=12)
+    y_full = _apply_state(layer, x)[0]
+    y, cache = _served(layer, x, (5, 8, 9, 10, 11))
+    np.testing.assert_allclose(y, y_full, rtol=1e-5, atol=1e-5)
+    assert cache.state.shape == (2, H, DK, 2 * DK) and cache.conv_q.shape == (2, 3, H * DK)
+    np.testing.assert_allclose(cache.state, _apply_state(layer, x)[1], rtol=1e-5, atol=1e-6)
+
+
+def test_cache_decode_op_for_several_tokens(ref_backend):
+    """decode=True runs the decode op on a 3-token step (speculative verification)."""
+    layer = _layer(ref_backend.name)
+    x = _x(T=9)
+    y, _ = _served(layer, x, (6,), decode=True)
+    np.testing.assert_allclose(y, _apply_state(layer, x)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_cache_bfloat16_state_and_no_convolutions(ref_backend):
+    """A bfloat16 state keeps its dtype and costs a rounding per call (2e-2 relative); without
+    short convolutions the cache holds only the state."""
+    layer = _layer(ref_backend.name, conv_size=0)
+    x = _x(T=10)
+    y_full = _apply_state(layer, x)[0]
+    y, cache = _served(layer, x, (6, 7, 8, 9), state_dtype=jnp.bfloat16)
+    assert cache.state.dtype == jnp.bfloat16 and cache.conv_q is None
+    err = float(jnp.max(jnp.abs(y - y_full)) / jnp.max(jnp.abs(y_full)))
+    assert 0 < err <= 2e-2
+
+
+def test_cache_refuses_h0(ref_backend):
+    layer = _layer(ref_backend.name)
+    with pytest.raises(ValueError, match="cache: the cache holds the state"):
+        layer(_x(T=2), h0=jnp.zeros((2, H, DK, DK)), cache=layer.init_cache(2))

@@ -20,6 +20,6 @@ except Exception as err:  # pragma: no cover - depends on the environment
         f"({type(err).__name__}: {err}); gdn2core[flax] needs flax>=0.12.10 with this JAX"
     ) from err
 
-from gdn2core.layers.gdn2_layer import GatedRMSNorm, GDN2Layer, ShortConv
+from gdn2core.layers.gdn2_layer import GatedRMSNorm, GDN2Cache, GDN2Layer, ShortConv
 
-__all__ = ["GDN2Layer", "GatedRMSNorm", "ShortConv"]
+__all__ = ["GDN2Cache", "GDN2Layer", "GatedRMSNorm", "ShortConv"]

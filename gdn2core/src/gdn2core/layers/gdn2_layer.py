@@ -11,6 +11,11 @@ Per token ``x_t`` (``d_model``) and head ``h`` (``H`` heads, key size ``dk``, va
     o, S_T  = gdn2_forward_trainable(q, k, v, w, b, g, scale, h0, config, backend)
     y       = W_o  GatedRMSNorm(o, SiLU(W_gate x))
 
+Serving: :meth:`GDN2Layer.init_cache` and ``layer(x, cache=cache) -> (y, new_cache)`` carry
+the short convolutions' last inputs and the recurrent state from call to call: a prompt runs the
+chunked forward (prefill), then one token per call runs the decode op (``gdn2_decode``); split
+anywhere, the outputs are those of one call over the whole sequence.
+
 The operator contract is ``docs/operator.md``; the parameterisation of the decay follows
 fla's KDA/GDN-2 layers (``A_log`` per head initialised from U(1, 16), ``dt_bias`` per key channel
 initialised as the inverse softplus of a log-uniform step in ``[dt_min, dt_max]``).
@@ -18,14 +23,17 @@ initialised as the inverse softplus of a log-uniform step in ``[dt_min, dt_max]`
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gdn2core.api import gdn2_forward_trainable
+from gdn2core.api import gdn2_forward, gdn2_forward_trainable
 from gdn2core.config import KernelConfig
+from gdn2core.decode import gdn2_decode
 from gdn2core.registry import get_backend
 from gdn2core.selection import AUTO
 
@@ -36,11 +44,35 @@ def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["conv_q", "conv_k", "conv_v", "state"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class GDN2Cache:
+    """What a :class:`GDN2Layer` carries from one call to the next when serving (a pytree).
+
+    Attributes:
+        conv_q, conv_k, conv_v: the last ``conv_size - 1`` inputs of each short convolution
+            ``(B, conv_size - 1, channels)`` (None without convolutions).
+        state: the recurrent state ``(B, H, dk, dv)``, float32 or bfloat16 (the decode op's pool,
+            one slot per batch row).
+    """
+
+    conv_q: jax.Array | None
+    conv_k: jax.Array | None
+    conv_v: jax.Array | None
+    state: jax.Array
+
+
 class ShortConv(nnx.Module):
     """Causal depthwise 1-D convolution over time followed by SiLU: ``(B, T, C) -> (B, T, C)``.
 
     ``y[t, c] = silu(sum_j weight[j, c] * x[t - (K - 1) + j, c])`` with zeros before ``t = 0``, so
-    the output at ``t`` depends only on inputs at ``<= t``.
+    the output at ``t`` depends only on inputs at ``<= t``. With ``conv_state`` (the ``K - 1``
+    inputs before ``x``, from an earlier call) those take the place of the zeros, and the call also
+    returns the ``K - 1`` inputs the next call needs.
     """
 
     def __init__(self, channels: int, kernel_size: int = 4, *, rngs: nnx.Rngs):
@@ -50,13 +82,20 @@ class ShortConv(nnx.Module):
             jax.random.uniform(rngs.params(), (kernel_size, channels), jnp.float32, -bound, bound)
         )
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, conv_state: jax.Array | None = None
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
         K = self.kernel_size
         T = x.shape[1]
-        xp = jnp.pad(x, ((0, 0), (K - 1, 0), (0, 0)))
+        if conv_state is None:
+            xp = jnp.pad(x, ((0, 0), (K - 1, 0), (0, 0)))  # [B, K - 1 + T, C]
+        else:
+            xp = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K - 1 + T, C]
         wt = self.weight[...].astype(x.dtype)
-        y = sum(xp[:, j : j + T, :] * wt[j] for j in range(K))
-        return jax.nn.silu(y)
+        y = jax.nn.silu(sum(xp[:, j : j + T, :] * wt[j] for j in range(K)))
+        if conv_state is None:
+            return y
+        return y, xp[:, T:]  # the last K - 1 inputs
 
 
 class GatedRMSNorm(nnx.Module):
@@ -192,36 +231,100 @@ class GDN2Layer(nnx.Module):
         g = -jnp.exp(self.A_log[...])[:, None] * jax.nn.softplus(f.reshape(B, T, H, self.dk))
         return w, b, g.astype(x.dtype)
 
+    def init_cache(self, batch: int, *, state_dtype=jnp.float32) -> GDN2Cache:
+        """The cache of ``batch`` sequences that have seen no token (zeros), for serving.
+
+        Args:
+            batch: B.
+            state_dtype: the recurrent state's dtype: float32, or bfloat16 to halve the memory a
+                serving batch needs (the decode op computes in float32 and rounds once per call;
+                docs/operator.md measures the cost).
+
+        Returns:
+            The :class:`GDN2Cache`.
+        """
+        H, dk, dv = self.num_heads, self.dk, self.dv
+
+        def conv(layer: ShortConv | None, channels: int) -> jax.Array | None:
+            if layer is None:
+                return None
+            return jnp.zeros((batch, layer.kernel_size - 1, channels), self.dtype)
+
+        return GDN2Cache(
+            conv_q=conv(self.q_conv, H * dk),
+            conv_k=conv(self.k_conv, H * dk),
+            conv_v=conv(self.v_conv, H * dv),
+            state=jnp.zeros((batch, H, dk, dv), state_dtype),
+        )
+
+    def _inputs(self, x: jax.Array, cache: GDN2Cache | None):
+        """q, k, v, w, b, g of the operator (and the new convolution states with a cache)."""
+        B, T, _ = x.shape
+        H, dk, dv = self.num_heads, self.dk, self.dv
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        convs = (None, None, None)
+        if self.q_conv is not None:
+            if cache is None:
+                q, k, v = self.q_conv(q), self.k_conv(k), self.v_conv(v)
+            else:
+                (q, cq), (k, ck), (v, cv) = (
+                    self.q_conv(q, cache.conv_q),
+                    self.k_conv(k, cache.conv_k),
+                    self.v_conv(v, cache.conv_v),
+                )
+                convs = (cq, ck, cv)
+        q = _l2norm(q.reshape(B, T, H, dk))
+        k = _l2norm(k.reshape(B, T, H, dk))
+        v = v.reshape(B, T, H, dv)
+        w, b, g = self.gates(x)
+        return (q, k, v, w, b, g), convs
+
+    def _output(self, x: jax.Array, o: jax.Array) -> jax.Array:
+        B, T, _ = x.shape
+        H, dv = self.num_heads, self.dv
+        gate = self.gate_proj(x).reshape(B, T, H, dv)
+        return self.o_proj(self.o_norm(o, gate).reshape(B, T, H * dv))
+
     def __call__(
-        self, x: jax.Array, *, h0: jax.Array | None = None, return_state: bool = False
-    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        self,
+        x: jax.Array,
+        *,
+        h0: jax.Array | None = None,
+        return_state: bool = False,
+        cache: GDN2Cache | None = None,
+        decode: bool | None = None,
+    ) -> jax.Array | tuple[jax.Array, jax.Array] | tuple[jax.Array, GDN2Cache]:
         """Mix the tokens of ``x``.
 
         Args:
             x: ``(B, T, d_model)``.
             h0: the operator's initial state ``(B, H, dk, dv)`` (float32), or None for zeros.
             return_state: also return the final state.
+            cache: serving (inference only): the :class:`GDN2Cache` of the tokens before ``x``
+                (:meth:`init_cache` for none); the call returns ``(y, new_cache)`` and takes no
+                ``h0``. A prompt (prefill) runs the chunked forward from the cached state; new
+                tokens (decode steps) run :func:`gdn2core.gdn2_decode` on it.
+            decode: with ``cache``, run the decode op (True) or the chunked forward (False);
+                None: the decode op for one token per sequence, else the chunked forward. Both
+                compute the same operator.
 
         Returns:
-            ``y`` ``(B, T, d_model)``, or ``(y, h_final)`` with ``return_state``.
+            ``y`` ``(B, T, d_model)``; ``(y, h_final)`` with ``return_state``; ``(y, new_cache)``
+            with ``cache``.
+
+        Raises:
+            ValueError: ``cache`` together with ``h0`` or ``return_state``.
         """
-        B, T, _ = x.shape
-        H, dk, dv = self.num_heads, self.dk, self.dv
         x = x.astype(self.dtype)
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.q_conv is not None:
-            q, k, v = self.q_conv(q), self.k_conv(k), self.v_conv(v)
-        q = _l2norm(q.reshape(B, T, H, dk))
-        k = _l2norm(k.reshape(B, T, H, dk))
-        v = v.reshape(B, T, H, dv)
-        w, b, g = self.gates(x)
+        if cache is not None:
+            if h0 is not None or return_state:
+                raise ValueError(
+                    "cache: the cache holds the state; pass neither h0 nor return_state with it"
+                )
+            return self._serve(x, cache, decode)
+        xs, _ = self._inputs(x, None)
         o, h_final = gdn2_forward_trainable(
-            q,
-            k,
-            v,
-            w,
-            b,
-            g,
+            *xs,
             self.scale,
             h0,
             self.config,
@@ -231,6 +334,21 @@ class GDN2Layer(nnx.Module):
             head_axes=self.head_axes,
             context_axis=self.context_axis,
         )
-        gate = self.gate_proj(x).reshape(B, T, H, dv)
-        y = self.o_proj(self.o_norm(o, gate).reshape(B, T, H * dv))
+        y = self._output(x, o)
         return (y, h_final) if return_state else y
+
+    def _serve(
+        self, x: jax.Array, cache: GDN2Cache, decode: bool | None
+    ) -> tuple[jax.Array, GDN2Cache]:
+        xs, (cq, ck, cv) = self._inputs(x, cache)
+        state = cache.state
+        if decode if decode is not None else x.shape[1] == 1:
+            o, state = gdn2_decode(
+                *xs, state, scale=self.scale, config=self.config, backend=self.backend
+            )
+        else:
+            o, h_final = gdn2_forward(
+                *xs, self.scale, state.astype(jnp.float32), self.config, self.backend
+            )
+            state = h_final.astype(state.dtype)
+        return self._output(x, o), GDN2Cache(cq, ck, cv, state)

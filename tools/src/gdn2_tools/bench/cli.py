@@ -154,10 +154,19 @@ def bench_main(argv: Sequence[str]) -> int:
     Returns:
         0; 1 when a row was rejected by the gate or failed; 2 for a usage error or a missing extra.
     """
+    if "--decode" in argv:
+        from gdn2_tools.bench.decode import decode_main
+
+        return decode_main([a for a in argv if a != "--decode"])
     p = argparse.ArgumentParser(
         prog="gdn2 bench",
         description="Time every available backend (correctness-gated) for forward, backward and "
         "forward+backward; writes bench.json and bench.md into --out.",
+    )
+    p.add_argument(
+        "--decode",
+        action="store_true",
+        help="time one decode step per backend instead (gdn2 bench --decode --help)",
     )
     _common(p)
     p.add_argument("--repeats", type=int, default=5, help="timed runs per program (default 5)")

@@ -1,0 +1,202 @@
+"""gdn2_decode in the core: argument checks that name the argument, the backend choice, the pool
+semantics (concrete indices refused, traced ones skipped), decode == the chunked forward over the
+same tokens (the issue's tolerances: float32 1e-5, bfloat16 2e-2), chunk states, and the pool
+updated in place when donated."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gdn2core
+from gdn2core import (
+    BackendUnsupportedError,
+    DecodeSpec,
+    KernelConfig,
+    gdn2_decode,
+    gdn2_decode_reference,
+    gdn2_forward,
+    which_decode_backend,
+)
+from gdn2core.decode_spec import expand_heads, sanitize_slots
+from gdn2core.testing import DecodeCase, make_decode_inputs, rel_err
+
+CASE = DecodeCase(N=3, S=2, H=2, HV=4, dk=8, dv=12, P=5, seed=3)
+
+
+@pytest.fixture(scope="module")
+def x():
+    return make_decode_inputs(CASE)
+
+
+def _call(x, **kw):
+    kw.setdefault("state_indices", x.state_indices)
+    kw.setdefault("backend", "jax_ref")
+    return gdn2_decode(*x.args, x.state, **kw)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (dict(q=jnp.zeros((3, 2, 2))), r"q: expected rank 4 \(N, S, H, dk\)"),
+        (dict(k=jnp.zeros((3, 2, 2, 9))), r"k: expected shape \(N, S, H, dk\) = \(3, 2, 2, 8\)"),
+        (dict(w=jnp.zeros((3, 2, 3, 12))), r"w: expected shape \(N, S, HV, dv\) = \(3, 2, 4, 12\)"),
+        (dict(v=jnp.zeros((3, 2, 3, 12)), w=jnp.zeros((3, 2, 3, 12))), r"HV=3 must be a multiple"),
+        (dict(b=jnp.zeros((3, 2, 3, 8))), r"b: expected H=2 or HV=4 heads"),
+        (dict(g=jnp.zeros((3, 2, 4, 8))), r"g: expected shape \(N, S, H or HV, dk\)"),
+        (dict(state=jnp.zeros((5, 4, 8))), r"state: expected rank 4 \(P, HV, dk, dv\)"),
+        (dict(state=jnp.zeros((5, 4, 8, 11))), r"state: expected shape \(P, HV, dk, dv\)"),
+        (dict(state_indices=jnp.asarray([0, 1])), r"state_indices: expected shape \(N,\)"),
+        (dict(state_indices=jnp.asarray([0, 5, -1])), r"sequence 1: 5, sequence 2: -1"),
+        (dict(state_indices=jnp.asarray([4, 2, 4])), r"slot 4 by sequences \[0, 2\]"),
+        (dict(state_indices=None), r"expected P = N = 3, got P = 5"),
+        (dict(scale=float("nan")), r"scale: expected a finite float"),
+    ],
+)
+def test_bad_inputs_name_the_argument(x, change, match):
+    arrays = {n: getattr(x, n) for n in ("q", "k", "v", "w", "b", "g")}
+    kw = {"state": x.state, "state_indices": x.state_indices}
+    for name, value in change.items():
+        (arrays if name in arrays else kw)[name] = value
+    with pytest.raises(ValueError, match=match):
+        gdn2_decode(*arrays.values(), **kw, backend="jax_ref")
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (dict(state=jnp.zeros((5, 4, 8, 12), jnp.float16)), r"state: expected dtype float32 or"),
+        (dict(state_indices=jnp.asarray([0.0, 1.0, 2.0])), r"state_indices: expected an integer"),
+        (dict(state_indices=[0, 1, 2]), r"state_indices: expected an integer array"),
+        (dict(return_token_states=1), r"return_token_states: expected a bool"),
+        (dict(config={"bt": 16}), r"config: expected a KernelConfig"),
+    ],
+)
+def test_bad_types_name_the_argument(x, change, match):
+    kw = {"state": x.state, "state_indices": x.state_indices, **change}
+    with pytest.raises(TypeError, match=match):
+        gdn2_decode(*x.args, **kw, backend="jax_ref")
+
+
+def test_backends_without_decode_are_refused_with_the_reason(x, monkeypatch):
+    with pytest.raises(BackendUnsupportedError, match="no decode op"):
+        _call(x, backend="scan_baseline")
+    monkeypatch.setenv("GDN2_BACKEND", "scan_baseline")
+    with pytest.raises(BackendUnsupportedError, match=r"GDN2_BACKEND=scan_baseline.*no decode"):
+        _call(x, backend="auto")
+    monkeypatch.delenv("GDN2_BACKEND")
+    assert which_decode_backend(*x.args, x.state, state_indices=x.state_indices) == "jax_ref"
+    with pytest.raises(BackendUnsupportedError, match=r"pallas_tpu.*dk=8 not in \(64, 128, 256\)"):
+        which_decode_backend(
+            *x.args, x.state, state_indices=x.state_indices, backend="pallas_tpu",
+            config=KernelConfig(interpret=True),
+        )  # fmt: skip
+    y = make_decode_inputs(dataclasses.replace(CASE, dk=64, dv=64))
+    with pytest.raises(BackendUnsupportedError, match="pallas_tpu.*runs on tpu"):
+        _call(y, backend="pallas_tpu")
+    interpret = KernelConfig(interpret=True)
+    assert which_decode_backend(*y.args, y.state, state_indices=y.state_indices,
+                                backend="pallas_tpu", config=interpret) == "pallas_tpu"  # fmt: skip
+
+
+def test_spec_is_frozen_and_resolves_grouped_heads(x):
+    spec = DecodeSpec.from_inputs(*x.args, x.state, x.state_indices)
+    assert (spec.n_seqs, spec.tokens, spec.key_heads, spec.heads, spec.gate_heads) == (
+        3,
+        2,
+        2,
+        4,
+        2,
+    )
+    assert spec.group == 2 and spec.pool_size == 5 and spec.indexed
+    assert spec.pool_bytes_touched == 2 * 3 * 4 * 8 * 12 * 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.tokens = 3
+    resolved = spec.resolved()
+    assert resolved.key_heads == resolved.gate_heads == 4 and hash(resolved) != hash(spec)
+    q = jnp.arange(2.0).reshape(1, 1, 2, 1)
+    assert expand_heads(q, 4)[0, 0, :, 0].tolist() == [0.0, 0.0, 1.0, 1.0]  # head j // 2
+
+
+def test_sanitize_slots_skips_out_of_range_and_repeated():
+    got = sanitize_slots(jnp.asarray([3, 9, 1, 1, -2, 0]), 6, 5).tolist()
+    assert got == [3, -1, -1, -1, -1, 0]
+    assert sanitize_slots(None, 3, 3).tolist() == [0, 1, 2]
+
+
+GVA_CASES = [
+    DecodeCase(N=2, S=1, H=2, HV=2, dk=8, dv=8, seed=1),
+    DecodeCase(N=3, S=4, H=1, HV=4, dk=8, dv=16, P=6, b_max=2.0, seed=2),  # b, g per key head
+    DecodeCase(N=2, S=6, H=2, HV=4, gate_heads=4, dk=16, dv=8, P=3, seed=3),  # per value head
+]
+
+
+@pytest.mark.parametrize("case", GVA_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_equals_the_chunked_forward(case, dtype):
+    """The issue's check: decode of S tokens from any state equals the chunked forward (jax_ref)
+    over the same tokens from the same states, o and the final states; float32 1e-5 and
+    bfloat16 2e-2 relative (the kit's decode tolerances)."""
+    x = make_decode_inputs(case, jnp.dtype(dtype))
+    o, pool = gdn2_decode(*x.args, x.state, state_indices=x.state_indices, backend="jax_ref")
+    slots = np.arange(case.N) if x.state_indices is None else np.asarray(x.state_indices)
+    heads = [expand_heads(a, case.HV) for a in (x.q, x.k, x.b, x.g)]
+    q, k, b, g = heads
+    with jax.default_matmul_precision("highest"):
+        o_fwd, h_fwd = gdn2_forward(
+            q, k, x.v, x.w, b, g, h0=x.state[slots], backend="jax_ref",
+            config=KernelConfig(bt=4, bc=2, mb=2),
+        )  # fmt: skip
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    assert rel_err(o, o_fwd) <= tol
+    assert rel_err(pool[slots], h_fwd) <= tol
+
+
+def test_token_states_and_the_last_slot_agree(x):
+    o, pool, states = _call(x, return_token_states=True)
+    assert states.shape == (3, 2, 4, 8, 12) and states.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(pool)[np.asarray(x.state_indices)], states[:, -1])
+    o_ref, _, states_ref = gdn2_decode_reference(
+        *x.args, x.state, x.state_indices, return_token_states=True
+    )
+    assert rel_err(states, states_ref) <= 1e-5 and rel_err(o, o_ref) <= 1e-5
+
+
+def test_chunk_states_are_refused_by_backends_without_them(x):
+    q = jnp.zeros((1, 8, 1, 64))
+    with pytest.raises(BackendUnsupportedError, match=r"no chunk states \(return_chunk_states"):
+        gdn2_forward(
+            q, q, q, q, q, q, backend="pallas_tpu", config=KernelConfig(interpret=True),
+            return_chunk_states=True,
+        )  # fmt: skip
+    with pytest.raises(TypeError, match="return_chunk_states: expected a bool"):
+        gdn2_forward(q, q, q, q, q, q, backend="jax_ref", return_chunk_states="yes")
+    # auto passes over them
+    *_, chunks = gdn2_forward(q, q, q, q, q, q, return_chunk_states=True)
+    assert chunks.shape == (1, 1, 1, 64, 64)
+
+
+def test_donated_pool_is_updated_without_a_copy():
+    """jit with donate_argnums: XLA aliases the pool to the result (no pool-sized scratch)."""
+    case = DecodeCase(N=4, S=1, H=2, HV=4, dk=64, dv=64, P=64, seed=4)
+    x = make_decode_inputs(case)
+
+    def step(q, k, v, w, b, g, pool, idx):
+        return gdn2_decode(q, k, v, w, b, g, pool, state_indices=idx, backend="jax_ref")
+
+    args = (*x.args, x.state, x.state_indices)
+    compiled = jax.jit(step, donate_argnums=(6,)).lower(*args).compile()
+    pool_bytes = x.state.size * 4
+    assert compiled.memory_analysis().temp_size_in_bytes < pool_bytes // 4
+    pool = x.state.copy()
+    _, new = compiled(*x.args, pool, x.state_indices)
+    assert pool.is_deleted() and not new.is_deleted()
+
+
+def test_init_state_pool():
+    pool = gdn2core.init_state_pool(3, 4, 8, 16, jnp.bfloat16)
+    assert pool.shape == (3, 4, 8, 16) and pool.dtype == jnp.bfloat16 and not pool.any()
