@@ -6,18 +6,20 @@ BlockSpec maps the ``(hb, K, V)`` block of the sequence's slot (a scalar-prefetc
 Pallas's pipeline reads the next step's block and writes the previous one back while a step
 computes, so the HBM traffic overlaps the compute (kernels_decode.py).
 
-Block choice: about :data:`STEP_STATE_BYTES` of float32 state per step (measured with
-``gdn2_tools.static_profile``, docs/operator.md). Smaller blocks pay the per-step overhead (about
-0.35 us); larger ones leave the first read and the last write unoverlapped (at N = 1 one step of
-all 32 heads of d = 128 serialises read, compute and write). ``hb`` is the smallest divisor of HV
-that tiles the token blocks (a multiple of 8 sublanes, 16 for bfloat16 inputs, or HV itself) with
-at least that much state, at most :data:`MAX_HEADS_PER_STEP` (the head loop is unrolled).
+Block choice (static cycle estimate, ``gdn2 bench --decode --tpu``, HV = 32, d = 128, float32):
+about :data:`STEP_STATE_BYTES` of float32 state per step: at N = 8 on v5e 16 heads a step ran
+at 0.71x the HBM bound, 8 heads at 0.91x (the per-step overhead, about 0.35 us), 32 heads at
+0.69x (no better, twice the VMEM). But at least :data:`MIN_STEPS` steps: the first read and
+the last write of a call are not overlapped, so at N = 1 32 heads in 4 steps of 8 (1.64x) beat 2
+steps of 16 (2.1x). ``hb`` is a divisor of HV that tiles the token blocks (a multiple of 8
+sublanes, 16 for bfloat16 inputs, or HV itself), at most :data:`MAX_HEADS_PER_STEP` (the head
+loop is unrolled).
 
 VMEM per step: the pool block in and out, double-buffered, ``4 hb K V`` in the pool's dtype; a
 float32 working copy when the pool is bfloat16 and S > 1 (the state stays float32 across the
 tokens of a call); double-buffered token blocks ``2 S hb (4 K + 3 V)``; the token states
 ``2 S hb K V``; live float32 temporaries of one head (a few ``[K, V]``) and the transposed rows
-``4 hb K``. At 8 heads of 128 x 128, float32, S = 1: about 2.2 MiB.
+``4 hb K``. At 16 heads of 128 x 128, float32, S = 1: about 4.4 MiB.
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ from gdn2_pallas_tpu.plan import (
 )
 from gdn2core.plugin import DecodeSpec, KernelConfig
 
-#: Float32 state bytes a grid step aims at (8 heads of 128 x 128; see the module docstring).
-STEP_STATE_BYTES: Final = 512 * 1024
+#: Float32 state bytes a grid step aims at (16 heads of 128 x 128; see the module docstring).
+STEP_STATE_BYTES: Final = 1024 * 1024
+#: Grid steps a call should have at least (the first read and the last write do not overlap).
+MIN_STEPS: Final = 4
 #: Heads of a step at most (the head loop is unrolled in the kernel).
 MAX_HEADS_PER_STEP: Final = 32
 #: Tokens per call at most: a chunk of the chunked kernels (speculative verification).
@@ -98,20 +102,23 @@ def _sublanes(dtype: str) -> int:
 
 
 def head_block(spec: DecodeSpec) -> int:
-    """The heads of a step: the smallest tiling divisor of HV with at least
-    :data:`STEP_STATE_BYTES` of float32 state, at most :data:`MAX_HEADS_PER_STEP` (else HV)."""
+    """The heads of a step: among the divisors of HV that tile the token blocks (at most
+    :data:`MAX_HEADS_PER_STEP`), the smallest with at least :data:`STEP_STATE_BYTES` of float32
+    state, or a smaller one while the call would have fewer than :data:`MIN_STEPS` steps."""
     head_bytes = spec.dk * spec.dv * F32_BYTES
     tiling = [
         h
-        for h in range(1, spec.heads + 1)
-        if spec.heads % h == 0
-        and (h == spec.heads or h % _sublanes(spec.dtype) == 0)
-        and h <= MAX_HEADS_PER_STEP
+        for h in range(1, min(spec.heads, MAX_HEADS_PER_STEP) + 1)
+        if spec.heads % h == 0 and (h == spec.heads or h % _sublanes(spec.dtype) == 0)
     ]
     if not tiling:
         return spec.heads
     big = [h for h in tiling if h * head_bytes >= STEP_STATE_BYTES]
-    return min(big) if big else max(tiling)
+    hb = min(big) if big else max(tiling)
+    smaller = [h for h in tiling if h < hb]
+    while smaller and spec.n_seqs * (spec.heads // hb) < MIN_STEPS:
+        hb = smaller.pop()
+    return hb
 
 
 def vmem_bytes(plan: DecodePlan) -> dict[str, int]:
