@@ -1,9 +1,9 @@
 """Serve a small GDN-2 model: prefill a prompt, then decode one token per step from the cache.
 
-    python examples/generate.py [--backend auto] [--train-steps 400] [--state-dtype float32]
+    python examples/generate.py [--backend auto] [--train-steps 800] [--state-dtype float32]
 
-Trains the multi-query associative recall (MQAR) model of ``train_mqar.py`` for a few hundred
-steps (the CPU here: about a minute), then serves a batch of fresh MQAR sequences the way a server
+Trains the multi-query associative recall (MQAR) model of ``train_mqar.py`` (``--train-steps``,
+800 by default: a few minutes on the CPU here), then serves a batch of fresh MQAR sequences the way a server
 does: one call over the prompt (the key-value pairs and the first query) runs the chunked forward
 and fills each layer's cache (``GDN2Layer.init_cache``: the short convolutions' last inputs and
 the recurrent state), then every further query token is one decode step
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from train_mqar import MQARModel, loss_and_acc, mqar_batch
+from train_mqar import MQARModel, mqar_batch, train_step
 
 import gdn2core
 from gdn2core.config import KernelConfig
@@ -60,25 +60,16 @@ def parse_args(argv):
 
 
 def train(model, args, rng) -> float:
-    """A few hundred AdamW steps on MQAR; returns the last training accuracy."""
+    """``--train-steps`` AdamW steps on MQAR (train_mqar's step); returns the last accuracy."""
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, args.lr, max(1, args.train_steps // 10), max(1, args.train_steps), args.lr / 10
     )
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b1=0.9, b2=0.98))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-    @nnx.jit
-    def step(model, optimizer, tokens, targets, mask):
-        (loss, acc), grads = nnx.value_and_grad(loss_and_acc, has_aux=True)(
-            model, tokens, targets, mask
-        )
-        optimizer.update(model, grads)
-        return loss, acc
-
     acc = 0.0
     for i in range(1, args.train_steps + 1):
-        loss, acc = step(model, optimizer, *map(jnp.asarray, mqar_batch(rng, args.batch,
-                                                                         args.pairs, args.vocab)))  # fmt: skip
+        batch = mqar_batch(rng, args.batch, args.pairs, args.vocab)
+        loss, acc = train_step(model, optimizer, *map(jnp.asarray, batch))
         if i % 100 == 0 or i == args.train_steps:
             print(f"train step {i:4d}: loss {float(loss):.3f} acc {float(acc):.3f}", flush=True)
     return float(acc)

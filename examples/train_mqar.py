@@ -158,6 +158,16 @@ def loss_and_acc(model, tokens, targets, mask):
     return (ce * mask).sum() / n, acc
 
 
+@nnx.jit
+def train_step(model, optimizer, tokens, targets, mask):
+    """One AdamW step on a batch; returns the batch's loss and accuracy."""
+    (loss, acc), grads = nnx.value_and_grad(loss_and_acc, has_aux=True)(
+        model, tokens, targets, mask
+    )
+    optimizer.update(model, grads)
+    return loss, acc
+
+
 # ----------------------------------------------------------------------------------- main
 
 
@@ -286,14 +296,6 @@ def main(argv=None) -> int:
                 else ""
             )
         )
-
-    @nnx.jit
-    def train_step(model, optimizer, tokens, targets, mask):
-        (loss, acc), grads = nnx.value_and_grad(loss_and_acc, has_aux=True)(
-            model, tokens, targets, mask
-        )
-        optimizer.update(model, grads)
-        return loss, acc
 
     @nnx.jit
     def eval_step(model, tokens, targets, mask):
