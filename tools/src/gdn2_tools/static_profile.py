@@ -303,6 +303,9 @@ def estimate(
         if code == 0 or not crashed:
             break
         unprofiled.update(crashed)
+        if not os.path.exists(os.path.join(work, "hlo.txt")):  # the abort came before the child
+            # wrote the HLO: a compile without the profiler names the ops
+            _compile_child(program, tpu, work, list(extra_flags), timeout_s, max_rss_gb)
         names = re.findall(r"^\s*(?:ROOT )?%(\S+) = ", _read(work, "hlo.txt"), re.M)
         done = read_profiles(profile_dir)
         todo = [n for n in names if n not in done and n not in unprofiled]
