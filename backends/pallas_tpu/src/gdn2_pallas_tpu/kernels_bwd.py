@@ -45,6 +45,7 @@ class BackwardRefs:
     b: tuple
     g: tuple
     dO: tuple  # ... V
+    starts: object | None  # [nc C, 1] f32 sequence starts (plan.segments)
     TA: object  # [U / pack, C, pack C] saved A_qk (lower, diagonal), T^T (upper), lane-packed
     state_in: object  # [hb, K, V] f32 saved state entering the step
     dh_final: object  # [hb, K, V] f32
@@ -60,11 +61,12 @@ class BackwardRefs:
         n = io.refs_per_array
         tiles = [tuple(refs[i * n : (i + 1) * n]) for i in range(7)]
         rest = list(refs[7 * n :])
+        starts = rest.pop(0) if io.plan.segments else None
         TA, state_in, dh_final = rest[:3]
         grads, dh0, dS = tuple(rest[3:9]), rest[9], rest[10]
         staging = rest[11:]
         stages, sems = (tuple(staging[:6]), staging[6]) if staging else ((None,) * 6, None)
-        return cls(*tiles, TA, state_in, dh_final, grads, dh0, dS, stages, sems)
+        return cls(*tiles, starts, TA, state_in, dh_final, grads, dh0, dS, stages, sems)
 
 
 def _backward_kernel(*refs, plan: Plan):
@@ -84,7 +86,8 @@ def _backward_kernel(*refs, plan: Plan):
     g_in = io.load(r.g, K)  # [U, C, K]
     g = cm.clamp_log_decay(g_in)
     v, w, dO = (io.load(x, V) for x in (r.v, r.w, r.dO))  # [U, C, V]
-    L = cm.chunk_local(q, k, v, w, b, g)
+    seg = None if r.starts is None else cm.Segments.from_starts(blocks.load_starts(r.starts, plan))
+    L = cm.chunk_local(q, k, v, w, b, g, seg)
     TA = blocks.unpack_lanes(r.TA[...].astype(F32), plan)  # [U, C, C]
     rr, ss = cm.iota((C, C), 0), cm.iota((C, C), 1)
     A_qk = jnp.where(ss <= rr, TA, cm.ZERO)  # [U, C, C]
@@ -154,8 +157,9 @@ def _backward_kernel(*refs, plan: Plan):
     # through the reverse cumsum (K̃ of the last real token has factor exp(0), also when the
     # chunk ends in padding).
     rows = cm.iota(dKK.shape, 1)
-    dKK_before = cm.cumsum_rows(jnp.where(rows >= 1, cm.roll_rows(dKK, 1), cm.ZERO))  # sum_(r<t)
-    dg = cm.cumsum_rows(d_gamma, reverse=True) + dKK_before
+    previous = rows >= 1 if seg is None else (rows >= 1) & seg.same_as_shifted(1)
+    dKK_before = cm.cumsum_rows(jnp.where(previous, cm.roll_rows(dKK, 1), cm.ZERO), seg=seg)
+    dg = cm.cumsum_rows(d_gamma, reverse=True, seg=seg) + dKK_before  # sums inside a sequence
     dg = jnp.where(g_in >= cm.G_FLOOR, dg, cm.ZERO)  # the clamp's gradient
     grads = (dq, dk, dZ * w, dZ * v, db, dg)  # B6: dv = dZ ⊙ w, dw = dZ ⊙ v
     copies = []
@@ -166,7 +170,7 @@ def _backward_kernel(*refs, plan: Plan):
         copy.wait()
 
 
-def backward_call(q, k, v, w, b, g, dO, TA, states, dh_final, *, plan: Plan):
+def backward_call(q, k, v, w, b, g, dO, starts, TA, states, dh_final, *, plan: Plan):
     """Kernel-layout inputs and dO, residuals, dh_final -> (dq, dk, dv, dw, db, dg, dh0)."""
     B, H, K, V, hb = plan.batch, plan.heads, plan.dk, plan.dv, plan.hb
     step_of = blocks.reverse_step(plan.n_steps)
@@ -175,6 +179,7 @@ def backward_call(q, k, v, w, b, g, dO, TA, states, dh_final, *, plan: Plan):
     state = blocks.state_spec(plan)
     in_specs = [
         *keys, *keys, *vals, *vals, *keys, *keys, *vals,  # q k v w b g dO
+        *([blocks.starts_spec(plan, step_of)] if plan.segments else []),
         blocks.residual_spec(plan, plan.residual_block, step_of),  # T^T | A_qk
         blocks.residual_spec(plan, (hb, K, V), step_of),  # step entry states
         state,  # dh_final
@@ -198,4 +203,4 @@ def backward_call(q, k, v, w, b, g, dO, TA, states, dh_final, *, plan: Plan):
         cost_estimate=pl.CostEstimate(**cost_backward(plan)),
         interpret=blocks.interpret_params(plan),
         name="gdn2_bwd",
-    )(*args, TA, states, dh_final)
+    )(*args, *([starts] if plan.segments else []), TA, states, dh_final)

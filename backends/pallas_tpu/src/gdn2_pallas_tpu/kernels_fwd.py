@@ -36,6 +36,7 @@ class ForwardRefs:
     w: tuple
     b: tuple
     g: tuple
+    starts: object | None  # [nc C, 1] f32 sequence starts (plan.segments)
     h0: object  # [hb, K, V] f32
     o: object  # [B, H, t_pad, V] in HBM (HEAD_MAJOR), or the [nc C, hb, V] block
     h_final: object  # [hb, K, V] f32
@@ -51,11 +52,12 @@ class ForwardRefs:
         n = io.refs_per_array
         tiles = [tuple(refs[i * n : (i + 1) * n]) for i in range(6)]
         rest = list(refs[6 * n :])
+        starts = rest.pop(0) if io.plan.segments else None
         h0, o, h_final = rest[:3]
         saved = rest[3:5] if save else [None, None]
         S, *staging = rest[5:] if save else rest[3:]
         o_stage, o_sems = staging if staging else (None, None)
-        return cls(*tiles, h0, o, h_final, *saved, S, o_stage, o_sems)
+        return cls(*tiles, starts, h0, o, h_final, *saved, S, o_stage, o_sems)
 
 
 def pack_residual(T: jax.Array, A_qk: jax.Array) -> jax.Array:
@@ -83,7 +85,8 @@ def _forward_kernel(*refs, plan: Plan, save: bool):
     q, k, b = (io.load(x, K) for x in (r.q, r.k, r.b))  # [U, C, K]
     g = cm.clamp_log_decay(io.load(r.g, K))  # [U, C, K]
     v, w = (io.load(x, V) for x in (r.v, r.w))  # [U, C, V]
-    L = cm.chunk_local(q, k, v, w, b, g)
+    seg = None if r.starts is None else cm.Segments.from_starts(blocks.load_starts(r.starts, plan))
+    L = cm.chunk_local(q, k, v, w, b, g, seg)
     A_kk, A_qk = cm.scores(L.E, q, k, L.levels, p.scores)  # [U, C, C] F4
     T = cm.wy_inverse(A_kk, plan.wy_eps, p.inverse)  # [U, C, C] F5
     if save:
@@ -117,14 +120,17 @@ def _forward_kernel(*refs, plan: Plan, save: bool):
         copy.wait()
 
 
-def forward_call(q, k, v, w, b, g, h0, *, plan: Plan, save: bool):
-    """Kernel-layout inputs (blocks.TokenIO) and h0 ``(B, H, K, V)`` f32 ->
+def forward_call(q, k, v, w, b, g, starts, h0, *, plan: Plan, save: bool):
+    """Kernel-layout inputs (blocks.TokenIO), sequence starts ``(B, t_pad, 1)`` (None without
+    segments) and h0 ``(B, H, K, V)`` f32 ->
     ``(o, h_final)``, plus ``(T, A_qk, states)`` residuals when ``save``."""
     B, H, K, V, hb = plan.batch, plan.heads, plan.dk, plan.dv, plan.hb
     step_of = blocks.forward_step
     io = blocks.TokenIO(plan, step_of)
     keys, vals = io.in_specs(K), io.in_specs(V)
     state = blocks.state_spec(plan)
+    seg_specs = [blocks.starts_spec(plan, step_of)] if plan.segments else []
+    seg_args = [starts] if plan.segments else []
     out_shape = [
         jax.ShapeDtypeStruct(v.shape, v.dtype),  # o, in v's kernel layout
         jax.ShapeDtypeStruct((B, H, K, V), F32),  # h_final
@@ -145,7 +151,7 @@ def forward_call(q, k, v, w, b, g, h0, *, plan: Plan, save: bool):
         functools.partial(_forward_kernel, plan=plan, save=save),
         out_shape=out_shape,
         grid=plan.grid(),
-        in_specs=[*keys, *keys, *vals, *vals, *keys, *keys, state],
+        in_specs=[*keys, *keys, *vals, *vals, *keys, *keys, *seg_specs, state],
         out_specs=out_specs,
         scratch_shapes=scratch,
         compiler_params=pltpu.CompilerParams(
@@ -155,4 +161,4 @@ def forward_call(q, k, v, w, b, g, h0, *, plan: Plan, save: bool):
         cost_estimate=pl.CostEstimate(**cost_forward(plan, save)),
         interpret=blocks.interpret_params(plan),
         name="gdn2_fwd_train" if save else "gdn2_fwd",
-    )(*io.args(q), *io.args(k), *io.args(v), *io.args(w), *io.args(b), *io.args(g), h0)
+    )(*io.args(q), *io.args(k), *io.args(v), *io.args(w), *io.args(b), *io.args(g), *seg_args, h0)

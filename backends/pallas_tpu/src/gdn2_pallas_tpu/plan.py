@@ -147,6 +147,7 @@ class Plan:
     precisions: Precisions
     vmem_limit_bytes: int
     interpret: bool
+    segments: bool = False  # packed sequences (segment_ids): resets inside chunks
 
     @property
     def units(self) -> int:
@@ -231,6 +232,7 @@ def make_plan(
     config: KernelConfig,
     vmem_capacity: int | None = None,
     precisions: Precisions | None = None,
+    segments: bool = False,
 ) -> Plan:
     """The plan of one call (see the module docstring for the choices)."""
     capacity = vmem_capacity_bytes() if vmem_capacity is None else vmem_capacity
@@ -263,6 +265,7 @@ def make_plan(
             precisions=precs.for_interpret() if config.interpret else precs,
             vmem_limit_bytes=capacity,
             interpret=bool(config.interpret),
+            segments=segments,
         )
         need = max(vmem_bytes(plan, False)["total"], vmem_bytes(plan, True)["total"])
         if need <= budget or (nc == 1 and hb == 1):

@@ -24,9 +24,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from gdn2_pallas_tpu.blocks import TokenIO, forward_step
+from gdn2_pallas_tpu.blocks import TokenIO, forward_step, sequence_starts
 from gdn2_pallas_tpu.kernels_bwd import backward_call
 from gdn2_pallas_tpu.kernels_fwd import forward_call
 from gdn2_pallas_tpu.plan import Plan
@@ -40,7 +41,7 @@ CPU_MESSAGE = (
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["q", "k", "v", "w", "b", "g", "TA", "states"],
+    data_fields=["q", "k", "v", "w", "b", "g", "starts", "TA", "states"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,7 @@ class Residuals:
     w: jax.Array
     b: jax.Array
     g: jax.Array
+    starts: jax.Array | None  # [B, t_pad, 1] f32 sequence starts (packed sequences), or None
     TA: jax.Array  # [B, H / hb, n_steps, U, C, C] A_qk (lower) and T^T (strictly upper) per chunk
     states: jax.Array  # [B, H / hb, n_steps, hb, K, V] f32 state entering every step
 
@@ -62,7 +64,20 @@ def _raise_not_tpu(*_):
 
 
 def _on_tpu_only(fn, plan: Plan, *args):
-    """Run ``fn(*args)`` (kernels) on TPU; elsewhere fail at run time with ``CPU_MESSAGE``."""
+    """Run ``fn(*args)`` (kernels) on TPU; elsewhere fail at run time with ``CPU_MESSAGE``.
+    ``None`` arguments (absent optional inputs) are passed through to ``fn`` as they are."""
+    present = [i for i, a in enumerate(args) if a is not None]
+
+    def with_nones(*arrays):
+        full = [None] * len(args)
+        for i, a in zip(present, arrays, strict=True):
+            full[i] = a
+        return fn(*full)
+
+    return _on_tpu_only_arrays(with_nones, plan, *(args[i] for i in present))
+
+
+def _on_tpu_only_arrays(fn, plan: Plan, *args):
     if plan.interpret:
         return fn(*args)
     out_shapes = jax.eval_shape(fn, *args)
@@ -74,70 +89,94 @@ def _on_tpu_only(fn, plan: Plan, *args):
 
 
 def _fold_vmap(kernel_call, plan: Plan):
-    """``kernel_call(*args, plan=plan)`` (all args and results lead with B), under ``jax.vmap``
-    run once on the mapped axis folded into B."""
+    """``kernel_call(*args)`` (every array argument and result leads with B; ``None`` arguments
+    pass through), under ``jax.vmap`` run once on the mapped axis folded into B."""
 
-    @jax.custom_batching.custom_vmap
     def call(*args):
-        return tuple(kernel_call(*args, plan=plan))
+        present = [i for i, a in enumerate(args) if a is not None]
 
-    @call.def_vmap
-    def _rule(axis_size, in_batched, *args):
-        args = [
-            x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
-            for x, batched in zip(args, in_batched, strict=True)
-        ]
-        folded = [x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in args]
-        plan_n = dataclasses.replace(plan, batch=axis_size * plan.batch)
-        outs = _fold_vmap(kernel_call, plan_n)(*folded)
-        outs = tuple(y.reshape(axis_size, plan.batch, *y.shape[1:]) for y in outs)
-        return outs, (True,) * len(outs)
+        @jax.custom_batching.custom_vmap
+        def arrays_call(*arrays):
+            full = [None] * len(args)
+            for i, a in zip(present, arrays, strict=True):
+                full[i] = a
+            return tuple(kernel_call(*full))
+
+        @arrays_call.def_vmap
+        def _rule(axis_size, in_batched, *arrays):
+            arrays = [
+                x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+                for x, batched in zip(arrays, in_batched, strict=True)
+            ]
+            folded = [x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in arrays]
+            full = [None] * len(args)
+            for i, a in zip(present, folded, strict=True):
+                full[i] = a
+            plan_n = dataclasses.replace(plan, batch=axis_size * plan.batch)
+            outs = _fold_vmap(_with_plan(kernel_call, plan_n), plan_n)(*full)
+            outs = tuple(y.reshape(axis_size, plan.batch, *y.shape[1:]) for y in outs)
+            return outs, (True,) * len(outs)
+
+        return arrays_call(*(args[i] for i in present))
 
     return call
+
+
+def _with_plan(kernel_call, plan: Plan):
+    """The same kernel call with another plan (``kernel_call`` is a partial with ``plan=``)."""
+    return functools.partial(kernel_call.func, *kernel_call.args, **{**kernel_call.keywords, "plan": plan})
 
 
 def _io(plan: Plan) -> TokenIO:
     return TokenIO(plan, forward_step)
 
 
-def _forward(q, k, v, w, b, g, h0, plan: Plan, save: bool):
+def _forward(q, k, v, w, b, g, h0, segment_ids, plan: Plan, save: bool):
     xs = [_io(plan).to_kernel(x) for x in (q, k, v, w, b, g)]
-    call = _fold_vmap(functools.partial(forward_call, save=save), plan)
-    outs = _on_tpu_only(call, plan, *xs, h0.astype(jnp.float32))
-    return _io(plan).from_kernel(outs[0]), outs[1], xs, outs[2:]
+    starts = None if segment_ids is None else sequence_starts(segment_ids, plan)
+    call = functools.partial(forward_call, plan=plan, save=save)
+    outs = _on_tpu_only(_fold_vmap(call, plan), plan, *xs, starts, h0.astype(jnp.float32))
+    return _io(plan).from_kernel(outs[0]), outs[1], (xs, starts), outs[2:]
 
 
-def gdn2_pallas_forward(q, k, v, w, b, g, h0, plan: Plan):
-    """Inference forward: ``(o, h_final)``, no residuals written."""
-    o, h_final, _, _ = _forward(q, k, v, w, b, g, h0, plan, save=False)
+def gdn2_pallas_forward(q, k, v, w, b, g, h0, segment_ids, plan: Plan):
+    """Inference forward: ``(o, h_final)``, no residuals written. ``segment_ids`` (B, T) or
+    None: packed sequences (plan.segments)."""
+    o, h_final, _, _ = _forward(q, k, v, w, b, g, h0, segment_ids, plan, save=False)
     return o, h_final
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def gdn2_pallas_trainable(q, k, v, w, b, g, h0, plan: Plan):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def gdn2_pallas_trainable(q, k, v, w, b, g, h0, segment_ids, plan: Plan):
     """Differentiable forward: gradients in q, k, v, w, b, g, h0 by the backward kernel."""
-    return gdn2_pallas_forward(q, k, v, w, b, g, h0, plan)
+    return gdn2_pallas_forward(q, k, v, w, b, g, h0, segment_ids, plan)
 
 
-def _vjp_fwd(q, k, v, w, b, g, h0, plan: Plan):
-    o, h_final, xs, (TA, states) = _forward(q, k, v, w, b, g, h0, plan, save=True)
-    return (o, h_final), Residuals(*xs, TA=TA, states=states)
+def _vjp_fwd(q, k, v, w, b, g, h0, segment_ids, plan: Plan):
+    o, h_final, (xs, starts), (TA, states) = _forward(
+        q, k, v, w, b, g, h0, segment_ids, plan, save=True
+    )
+    res = Residuals(*xs, starts=starts, TA=TA, states=states)
+    return (o, h_final), (res, segment_ids)
 
 
-def _vjp_bwd(plan: Plan, res: Residuals, cotangents):
+def _vjp_bwd(plan: Plan, saved, cotangents):
+    res, segment_ids = saved
     do, dh_final = cotangents
     do_k = _io(plan).to_kernel(do.astype(res.v.dtype))
-    call = _fold_vmap(backward_call, plan)
+    call = _fold_vmap(functools.partial(backward_call, plan=plan), plan)
     *grads, dh0 = _on_tpu_only(
         call,
         plan,
         *(res.q, res.k, res.v, res.w, res.b, res.g),
         do_k,
+        res.starts,
         res.TA,
         res.states,
         dh_final.astype(jnp.float32),
     )
-    return (*(_io(plan).from_kernel(x) for x in grads), dh0)
+    d_ids = None if segment_ids is None else np.zeros(segment_ids.shape, jax.dtypes.float0)
+    return (*(_io(plan).from_kernel(x) for x in grads), dh0, d_ids)
 
 
 gdn2_pallas_trainable.defvjp(_vjp_fwd, _vjp_bwd)
