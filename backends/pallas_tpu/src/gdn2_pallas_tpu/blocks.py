@@ -167,9 +167,7 @@ def _starts_index(batch, head_group, step, *, step_of: Callable):
 
 def starts_spec(plan: Plan, step_of: Callable) -> pl.BlockSpec:
     """``(nc C, 1)`` float32 sequence-start flags of a step."""
-    return pl.BlockSpec(
-        (None, plan.step_len, 1), functools.partial(_starts_index, step_of=step_of)
-    )
+    return pl.BlockSpec((None, plan.step_len, 1), functools.partial(_starts_index, step_of=step_of))
 
 
 def load_starts(ref, plan: Plan) -> jax.Array:
@@ -191,6 +189,28 @@ def sequence_starts(segment_ids: jax.Array, plan: Plan) -> jax.Array:
     if pad:
         starts = jnp.pad(starts, ((0, 0), (0, pad)))
     return starts[:, :, None]
+
+
+def _head_group_index(batch, head_group, step):
+    """The ``hb`` heads of a head group of an ``(H, ...)`` per-head parameter array."""
+    return (head_group, I0, I0)
+
+
+def gate_params_spec(plan: Plan) -> pl.BlockSpec:
+    """``(hb, 2, K)`` gate parameters (``exp(A_log)``, ``dt_bias``) of the step's heads."""
+    return pl.BlockSpec((plan.hb, 2, plan.dk), _head_group_index)
+
+
+def load_gate_params(ref, plan: Plan) -> jax.Array:
+    """The gate parameters as units ``[U, 2, K]`` (every chunk of a head shares them)."""
+    x = ref[...].astype(F32)[:, None]  # [hb, 1, 2, K]
+    shape = (plan.hb, plan.nc, 2, plan.dk)
+    return jnp.broadcast_to(x, shape).reshape(plan.units, 2, plan.dk)
+
+
+def per_head_sums(x: jax.Array, plan: Plan) -> jax.Array:
+    """Units ``[U, 2, K]`` summed over the chunks of each head: ``[hb, 2, K]``."""
+    return jnp.sum(x.reshape(plan.hb, plan.nc, *x.shape[1:]), axis=1)
 
 
 def state_spec(plan: Plan) -> pl.BlockSpec:

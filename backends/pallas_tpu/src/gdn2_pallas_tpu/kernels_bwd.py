@@ -24,6 +24,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from gdn2_pallas_tpu import activations as act
 from gdn2_pallas_tpu import blocks
 from gdn2_pallas_tpu import chunk_math as cm
 from gdn2_pallas_tpu.cost import cost_backward
@@ -46,11 +47,13 @@ class BackwardRefs:
     g: tuple
     dO: tuple  # ... V
     starts: object | None  # [nc C, 1] f32 sequence starts (plan.segments)
+    gate_params: object | None  # [hb, 2, K] f32 exp(A_log), dt_bias (plan.gate)
     TA: object  # [U / pack, C, pack C] saved A_qk (lower, diagonal), T^T (upper), lane-packed
     state_in: object  # [hb, K, V] f32 saved state entering the step
     dh_final: object  # [hb, K, V] f32
     grads: tuple  # dq, dk, dv, dw, db, dg: in HBM (HEAD_MAJOR), or [nc C, hb, d] blocks
     dh0: object  # [hb, K, V] f32
+    d_gate: object | None  # [hb, 2, K] f32 this step's sums for dA_log, d dt_bias (plan.gate)
     # Scratch.
     dS: object  # [hb, K, V] f32 gradient of the state leaving the step
     stages: tuple  # 6 x [hb, nc C, d] gradient staging for the DMAs (HEAD_MAJOR), else Nones
@@ -62,11 +65,17 @@ class BackwardRefs:
         tiles = [tuple(refs[i * n : (i + 1) * n]) for i in range(7)]
         rest = list(refs[7 * n :])
         starts = rest.pop(0) if io.plan.segments else None
+        gate_params = rest.pop(0) if io.plan.gate else None
         TA, state_in, dh_final = rest[:3]
-        grads, dh0, dS = tuple(rest[3:9]), rest[9], rest[10]
-        staging = rest[11:]
+        grads, dh0 = tuple(rest[3:9]), rest[9]
+        rest = rest[10:]
+        d_gate = rest.pop(0) if io.plan.gate else None
+        dS, staging = rest[0], rest[1:]
         stages, sems = (tuple(staging[:6]), staging[6]) if staging else ((None,) * 6, None)
-        return cls(*tiles, starts, TA, state_in, dh_final, grads, dh0, dS, stages, sems)
+        return cls(
+            *tiles, starts, gate_params, TA, state_in, dh_final, grads, dh0, d_gate, dS, stages,
+            sems,
+        )  # fmt: skip
 
 
 def _backward_kernel(*refs, plan: Plan):
@@ -82,10 +91,15 @@ def _backward_kernel(*refs, plan: Plan):
     def _():
         r.dS[...] = r.dh_final[...]
 
-    q, k, b = (io.load(x, K) for x in (r.q, r.k, r.b))  # [U, C, K]
-    g_in = io.load(r.g, K)  # [U, C, K]
-    g = cm.clamp_log_decay(g_in)
+    q, k, b, g_raw = (io.load(x, K) for x in (r.q, r.k, r.b, r.g))  # [U, C, K]
     v, w, dO = (io.load(x, V) for x in (r.v, r.w, r.dO))  # [U, C, V]
+    g_in = g_raw
+    if plan.fused:  # re-activate the raw inputs (nothing activated was saved)
+        gp = None if r.gate_params is None else blocks.load_gate_params(r.gate_params, plan)
+        valid = act.valid_rows(plan, step)  # [U, C, 1]
+        x = act.activate(q, k, b, w, g_raw, gp, plan.activations, plan.l2norm_eps, valid)
+        q, k, b, w, g_in = x.q, x.k, x.b, x.w, x.g
+    g = cm.clamp_log_decay(g_in)
     seg = None if r.starts is None else cm.Segments.from_starts(blocks.load_starts(r.starts, plan))
     L = cm.chunk_local(q, k, v, w, b, g, seg)
     TA = blocks.unpack_lanes(r.TA[...].astype(F32), plan)  # [U, C, C]
@@ -161,7 +175,14 @@ def _backward_kernel(*refs, plan: Plan):
     dKK_before = cm.cumsum_rows(jnp.where(previous, cm.roll_rows(dKK, 1), cm.ZERO), seg=seg)
     dg = cm.cumsum_rows(d_gamma, reverse=True, seg=seg) + dKK_before  # sums inside a sequence
     dg = jnp.where(g_in >= cm.G_FLOOR, dg, cm.ZERO)  # the clamp's gradient
-    grads = (dq, dk, dZ * w, dZ * v, db, dg)  # B6: dv = dZ ⊙ w, dw = dZ ⊙ v
+    dv, dw = dZ * w, dZ * v  # B6
+    if plan.fused:  # gradients of the raw inputs, and this step's dA_log / d dt_bias sums
+        dq, dk, db, dw, dg, partial = act.raw_gradients(
+            x, g_raw, gp, plan.activations, valid, dq, dk, db, dw, dg
+        )
+        if partial is not None:
+            r.d_gate[...] = blocks.per_head_sums(partial, plan)  # [hb, 2, K]
+    grads = (dq, dk, dv, dw, db, dg)
     copies = []
     for m, (x, out, stage) in enumerate(zip(grads, r.grads, r.stages, strict=True)):
         sems = None if r.sems is None else r.sems.at[jnp.int32(m)]
@@ -170,8 +191,10 @@ def _backward_kernel(*refs, plan: Plan):
         copy.wait()
 
 
-def backward_call(q, k, v, w, b, g, dO, starts, TA, states, dh_final, *, plan: Plan):
-    """Kernel-layout inputs and dO, residuals, dh_final -> (dq, dk, dv, dw, db, dg, dh0)."""
+def backward_call(q, k, v, w, b, g, dO, starts, gate_params, TA, states, dh_final, *, plan: Plan):
+    """Kernel-layout inputs and dO, sequence starts and gate parameters (or None), residuals,
+    dh_final -> (dq, dk, dv, dw, db, dg, dh0), and with a fused gate the per-step sums
+    ``(B, H / hb, n_steps, hb, 2, K)`` of dA_log (row 0, per channel) and d dt_bias (row 1)."""
     B, H, K, V, hb = plan.batch, plan.heads, plan.dk, plan.dv, plan.hb
     step_of = blocks.reverse_step(plan.n_steps)
     io = blocks.TokenIO(plan, step_of)
@@ -180,6 +203,7 @@ def backward_call(q, k, v, w, b, g, dO, starts, TA, states, dh_final, *, plan: P
     in_specs = [
         *keys, *keys, *vals, *vals, *keys, *keys, *vals,  # q k v w b g dO
         *([blocks.starts_spec(plan, step_of)] if plan.segments else []),
+        *([blocks.gate_params_spec(plan)] if plan.gate else []),
         blocks.residual_spec(plan, plan.residual_block, step_of),  # T^T | A_qk
         blocks.residual_spec(plan, (hb, K, V), step_of),  # step entry states
         state,  # dh_final
@@ -187,6 +211,10 @@ def backward_call(q, k, v, w, b, g, dO, starts, TA, states, dh_final, *, plan: P
     dims = (K, K, V, V, K, K)
     out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, w, b, g)]
     out_shape.append(jax.ShapeDtypeStruct((B, H, K, V), F32))  # dh0
+    out_specs = [io.out_spec(d) for d in dims] + [state]
+    if plan.gate:  # per-step partial sums of dA_log and d dt_bias
+        out_shape.append(jax.ShapeDtypeStruct((B, plan.head_groups, plan.n_steps, hb, 2, K), F32))
+        out_specs.append(blocks.residual_spec(plan, (hb, 2, K), step_of))
     scratch = [pltpu.VMEM((hb, K, V), F32), *io.out_scratch(dims, q.dtype)]  # dS; staging
     args = [a for x in (q, k, v, w, b, g, dO) for a in io.args(x)]
     return pl.pallas_call(
@@ -194,7 +222,7 @@ def backward_call(q, k, v, w, b, g, dO, starts, TA, states, dh_final, *, plan: P
         out_shape=out_shape,
         grid=plan.grid(),
         in_specs=in_specs,
-        out_specs=[io.out_spec(d) for d in dims] + [state],
+        out_specs=out_specs,
         scratch_shapes=scratch,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
@@ -203,4 +231,9 @@ def backward_call(q, k, v, w, b, g, dO, starts, TA, states, dh_final, *, plan: P
         cost_estimate=pl.CostEstimate(**cost_backward(plan)),
         interpret=blocks.interpret_params(plan),
         name="gdn2_bwd",
-    )(*args, *([starts] if plan.segments else []), TA, states, dh_final)
+    )(
+        *args,
+        *([starts] if plan.segments else []),
+        *([gate_params] if plan.gate else []),
+        TA, states, dh_final,
+    )  # fmt: skip

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from gdn2_pallas_tpu import activations as act
 from gdn2_pallas_tpu import blocks
 from gdn2_pallas_tpu import chunk_math as cm
 from gdn2_pallas_tpu.cost import cost_forward
@@ -37,6 +38,7 @@ class ForwardRefs:
     b: tuple
     g: tuple
     starts: object | None  # [nc C, 1] f32 sequence starts (plan.segments)
+    gate_params: object | None  # [hb, 2, K] f32 exp(A_log), dt_bias (plan.gate)
     h0: object  # [hb, K, V] f32
     o: object  # [B, H, t_pad, V] in HBM (HEAD_MAJOR), or the [nc C, hb, V] block
     h_final: object  # [hb, K, V] f32
@@ -53,11 +55,12 @@ class ForwardRefs:
         tiles = [tuple(refs[i * n : (i + 1) * n]) for i in range(6)]
         rest = list(refs[6 * n :])
         starts = rest.pop(0) if io.plan.segments else None
+        gate_params = rest.pop(0) if io.plan.gate else None
         h0, o, h_final = rest[:3]
         saved = rest[3:5] if save else [None, None]
         S, *staging = rest[5:] if save else rest[3:]
         o_stage, o_sems = staging if staging else (None, None)
-        return cls(*tiles, starts, h0, o, h_final, *saved, S, o_stage, o_sems)
+        return cls(*tiles, starts, gate_params, h0, o, h_final, *saved, S, o_stage, o_sems)
 
 
 def pack_residual(T: jax.Array, A_qk: jax.Array) -> jax.Array:
@@ -82,9 +85,14 @@ def _forward_kernel(*refs, plan: Plan, save: bool):
     if save:
         r.state_out[...] = r.S[...]
 
-    q, k, b = (io.load(x, K) for x in (r.q, r.k, r.b))  # [U, C, K]
-    g = cm.clamp_log_decay(io.load(r.g, K))  # [U, C, K]
+    q, k, b, g = (io.load(x, K) for x in (r.q, r.k, r.b, r.g))  # [U, C, K]
     v, w = (io.load(x, V) for x in (r.v, r.w))  # [U, C, V]
+    if plan.fused:  # raw inputs -> activated, in VMEM only
+        gp = None if r.gate_params is None else blocks.load_gate_params(r.gate_params, plan)
+        valid = act.valid_rows(plan, step)  # [U, C, 1]
+        x = act.activate(q, k, b, w, g, gp, plan.activations, plan.l2norm_eps, valid)
+        q, k, b, w, g = x.q, x.k, x.b, x.w, x.g
+    g = cm.clamp_log_decay(g)  # [U, C, K]
     seg = None if r.starts is None else cm.Segments.from_starts(blocks.load_starts(r.starts, plan))
     L = cm.chunk_local(q, k, v, w, b, g, seg)
     A_kk, A_qk = cm.scores(L.E, q, k, L.levels, p.scores)  # [U, C, C] F4
@@ -120,9 +128,10 @@ def _forward_kernel(*refs, plan: Plan, save: bool):
         copy.wait()
 
 
-def forward_call(q, k, v, w, b, g, starts, h0, *, plan: Plan, save: bool):
+def forward_call(q, k, v, w, b, g, starts, gate_params, h0, *, plan: Plan, save: bool):
     """Kernel-layout inputs (blocks.TokenIO), sequence starts ``(B, t_pad, 1)`` (None without
-    segments) and h0 ``(B, H, K, V)`` f32 ->
+    segments), gate parameters ``(H, 2, K)`` (None without a fused gate) and h0 ``(B, H, K, V)``
+    f32 ->
     ``(o, h_final)``, plus ``(T, A_qk, states)`` residuals when ``save``."""
     B, H, K, V, hb = plan.batch, plan.heads, plan.dk, plan.dv, plan.hb
     step_of = blocks.forward_step
@@ -131,6 +140,9 @@ def forward_call(q, k, v, w, b, g, starts, h0, *, plan: Plan, save: bool):
     state = blocks.state_spec(plan)
     seg_specs = [blocks.starts_spec(plan, step_of)] if plan.segments else []
     seg_args = [starts] if plan.segments else []
+    if plan.gate:
+        seg_specs.append(blocks.gate_params_spec(plan))
+        seg_args.append(gate_params)
     out_shape = [
         jax.ShapeDtypeStruct(v.shape, v.dtype),  # o, in v's kernel layout
         jax.ShapeDtypeStruct((B, H, K, V), F32),  # h_final

@@ -148,6 +148,18 @@ class Plan:
     vmem_limit_bytes: int
     interpret: bool
     segments: bool = False  # packed sequences (segment_ids): resets inside chunks
+    activations: object = None  # gdn2core Activations applied in the kernels, or None
+    l2norm_eps: float = 1e-6
+
+    @property
+    def fused(self) -> bool:
+        """Whether the kernels activate their raw inputs (activations.py)."""
+        return self.activations is not None and self.activations.any
+
+    @property
+    def gate(self) -> bool:
+        """Whether the kernels take the gate parameters (``exp(A_log)``, ``dt_bias``)."""
+        return self.fused and self.activations.gate != "none"
 
     @property
     def units(self) -> int:
@@ -233,6 +245,7 @@ def make_plan(
     vmem_capacity: int | None = None,
     precisions: Precisions | None = None,
     segments: bool = False,
+    activations: object = None,
 ) -> Plan:
     """The plan of one call (see the module docstring for the choices)."""
     capacity = vmem_capacity_bytes() if vmem_capacity is None else vmem_capacity
@@ -266,6 +279,7 @@ def make_plan(
             vmem_limit_bytes=capacity,
             interpret=bool(config.interpret),
             segments=segments,
+            activations=activations,
         )
         need = max(vmem_bytes(plan, False)["total"], vmem_bytes(plan, True)["total"])
         if need <= budget or (nc == 1 and hb == 1):

@@ -124,59 +124,90 @@ def _fold_vmap(kernel_call, plan: Plan):
 
 def _with_plan(kernel_call, plan: Plan):
     """The same kernel call with another plan (``kernel_call`` is a partial with ``plan=``)."""
-    return functools.partial(kernel_call.func, *kernel_call.args, **{**kernel_call.keywords, "plan": plan})
+    return functools.partial(
+        kernel_call.func, *kernel_call.args, **{**kernel_call.keywords, "plan": plan}
+    )
 
 
 def _io(plan: Plan) -> TokenIO:
     return TokenIO(plan, forward_step)
 
 
-def _forward(q, k, v, w, b, g, h0, segment_ids, plan: Plan, save: bool):
+def _gate_params(A_log, dt_bias, plan: Plan):
+    """(H, 2, K) float32: row 0 ``exp(A_log)``, row 1 ``dt_bias`` (zeros when absent); None
+    without a fused gate."""
+    if not plan.gate:
+        return None
+    a = jnp.broadcast_to(jnp.exp(A_log.astype(jnp.float32))[:, None], (plan.heads, plan.dk))
+    dt = jnp.zeros_like(a) if dt_bias is None else dt_bias.astype(jnp.float32)
+    return jnp.stack([a, dt], axis=1)
+
+
+def _forward(q, k, v, w, b, g, h0, segment_ids, A_log, dt_bias, plan: Plan, save: bool):
     xs = [_io(plan).to_kernel(x) for x in (q, k, v, w, b, g)]
     starts = None if segment_ids is None else sequence_starts(segment_ids, plan)
+    gate = _gate_params(A_log, dt_bias, plan)
     call = functools.partial(forward_call, plan=plan, save=save)
-    outs = _on_tpu_only(_fold_vmap(call, plan), plan, *xs, starts, h0.astype(jnp.float32))
-    return _io(plan).from_kernel(outs[0]), outs[1], (xs, starts), outs[2:]
+    outs = _on_tpu_only(_fold_vmap(call, plan), plan, *xs, starts, gate, h0.astype(jnp.float32))
+    return _io(plan).from_kernel(outs[0]), outs[1], (xs, starts, gate), outs[2:]
 
 
-def gdn2_pallas_forward(q, k, v, w, b, g, h0, segment_ids, plan: Plan):
-    """Inference forward: ``(o, h_final)``, no residuals written. ``segment_ids`` (B, T) or
-    None: packed sequences (plan.segments)."""
-    o, h_final, _, _ = _forward(q, k, v, w, b, g, h0, segment_ids, plan, save=False)
+def gdn2_pallas_forward(
+    q, k, v, w, b, g, h0, plan: Plan, segment_ids=None, A_log=None, dt_bias=None
+):
+    """Inference forward: ``(o, h_final)``, no residuals written. ``segment_ids`` (B, T):
+    packed sequences (``plan.segments``); ``A_log`` (H,), ``dt_bias`` (H, K): the fused gate's
+    parameters (``plan.activations``)."""
+    o, h_final, _, _ = _forward(q, k, v, w, b, g, h0, segment_ids, A_log, dt_bias, plan, False)
     return o, h_final
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def gdn2_pallas_trainable(q, k, v, w, b, g, h0, segment_ids, plan: Plan):
-    """Differentiable forward: gradients in q, k, v, w, b, g, h0 by the backward kernel."""
-    return gdn2_pallas_forward(q, k, v, w, b, g, h0, segment_ids, plan)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _trainable(q, k, v, w, b, g, h0, segment_ids, A_log, dt_bias, plan: Plan):
+    return gdn2_pallas_forward(q, k, v, w, b, g, h0, plan, segment_ids, A_log, dt_bias)
 
 
-def _vjp_fwd(q, k, v, w, b, g, h0, segment_ids, plan: Plan):
-    o, h_final, (xs, starts), (TA, states) = _forward(
-        q, k, v, w, b, g, h0, segment_ids, plan, save=True
+def gdn2_pallas_trainable(
+    q, k, v, w, b, g, h0, plan: Plan, segment_ids=None, A_log=None, dt_bias=None
+):
+    """Differentiable forward: gradients in q, k, v, w, b, g, h0 (and A_log, dt_bias) by the
+    backward kernel. Arguments as for :func:`gdn2_pallas_forward`."""
+    return _trainable(q, k, v, w, b, g, h0, segment_ids, A_log, dt_bias, plan)
+
+
+def _vjp_fwd(q, k, v, w, b, g, h0, segment_ids, A_log, dt_bias, plan: Plan):
+    o, h_final, (xs, starts, gate), (TA, states) = _forward(
+        q, k, v, w, b, g, h0, segment_ids, A_log, dt_bias, plan, save=True
     )
     res = Residuals(*xs, starts=starts, TA=TA, states=states)
-    return (o, h_final), (res, segment_ids)
+    return (o, h_final), (res, gate, segment_ids, A_log, dt_bias)
 
 
 def _vjp_bwd(plan: Plan, saved, cotangents):
-    res, segment_ids = saved
+    res, gate, segment_ids, A_log, dt_bias = saved
     do, dh_final = cotangents
     do_k = _io(plan).to_kernel(do.astype(res.v.dtype))
     call = _fold_vmap(functools.partial(backward_call, plan=plan), plan)
-    *grads, dh0 = _on_tpu_only(
+    outs = _on_tpu_only(
         call,
         plan,
         *(res.q, res.k, res.v, res.w, res.b, res.g),
         do_k,
         res.starts,
+        gate,
         res.TA,
         res.states,
         dh_final.astype(jnp.float32),
     )
+    grads, dh0 = outs[:6], outs[6]
     d_ids = None if segment_ids is None else np.zeros(segment_ids.shape, jax.dtypes.float0)
-    return (*(_io(plan).from_kernel(x) for x in grads), dh0, d_ids)
+    dA_log = d_dt = None
+    if plan.gate:  # (B, H / hb, steps, hb, 2, K) per-step sums -> (H, 2, K)
+        sums = jnp.sum(outs[7], axis=(0, 2)).reshape(plan.heads, 2, plan.dk)
+        dA_log = jnp.sum(sums[:, 0], axis=1).astype(A_log.dtype)
+        d_dt = None if dt_bias is None else sums[:, 1].astype(dt_bias.dtype)
+    grads = tuple(_io(plan).from_kernel(x) for x in grads)
+    return (*grads, dh0, d_ids, dA_log, d_dt)
 
 
-gdn2_pallas_trainable.defvjp(_vjp_fwd, _vjp_bwd)
+_trainable.defvjp(_vjp_fwd, _vjp_bwd)
