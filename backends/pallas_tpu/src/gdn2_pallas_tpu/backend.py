@@ -70,7 +70,7 @@ class PallasTpuBackend(Backend):
         from gdn2_pallas_tpu.vjp import gdn2_pallas_forward
 
         plan = make_plan(spec, config, vmem_capacity_bytes(q))
-        o, h_final = gdn2_pallas_forward(q, k, v, w, b, g, h0, plan)
+        o, h_final, _ = gdn2_pallas_forward(q, k, v, w, b, g, h0, plan)
         return probe("pallas_tpu o", o), probe("pallas_tpu h_final", h_final)
 
     def forward_trainable(
@@ -78,8 +78,8 @@ class PallasTpuBackend(Backend):
     ) -> tuple[jax.Array, jax.Array]:
         """Forward and backward kernels under one ``jax.custom_vjp``."""
         _check_platform(q, config)
-        from gdn2_pallas_tpu.vjp import gdn2_pallas_trainable
+        from gdn2_pallas_tpu.vjp import NO_EXTRAS, gdn2_pallas_trainable
 
         plan = make_plan(spec, config, vmem_capacity_bytes(q))
-        o, h_final = gdn2_pallas_trainable(q, k, v, w, b, g, h0, plan)
+        o, h_final, _ = gdn2_pallas_trainable(q, k, v, w, b, g, h0, NO_EXTRAS, plan)
         return probe("pallas_tpu o", o), probe("pallas_tpu h_final", h_final)

@@ -213,6 +213,11 @@ def per_head_sums(x: jax.Array, plan: Plan) -> jax.Array:
     return jnp.sum(x.reshape(plan.hb, plan.nc, *x.shape[1:]), axis=1)
 
 
+def hbm_any() -> pl.BlockSpec:
+    """An array left in HBM, read or written by manual DMAs."""
+    return pl.BlockSpec(memory_space=pl.ANY)
+
+
 def state_spec(plan: Plan) -> pl.BlockSpec:
     """``(hb, K, V)`` tile of a ``(B, H, K, V)`` float32 state array."""
     return pl.BlockSpec((None, plan.hb, plan.dk, plan.dv), _state_index)

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gdn2_pallas_tpu import activations as act
-from gdn2_pallas_tpu import blocks
+from gdn2_pallas_tpu import blocks, varlen
 from gdn2_pallas_tpu import chunk_math as cm
 from gdn2_pallas_tpu.cost import cost_backward
 from gdn2_pallas_tpu.matmul import MatmulPrecision, mm, mm_nt, mm_tn
@@ -48,33 +48,42 @@ class BackwardRefs:
     dO: tuple  # ... V
     starts: object | None  # [nc C, 1] f32 sequence starts (plan.segments)
     gate_params: object | None  # [hb, 2, K] f32 exp(A_log), dt_bias (plan.gate)
+    table: object | None  # SMEM [3, n_chunks] int32 chunk table (plan.varlen, varlen.py)
+    seq_h0: object | None  # [N, H, K, V] f32 in HBM: per-sequence initial states (plan.varlen)
+    seq_dh_final: object | None  # [N, H, K, V] f32 in HBM (plan.varlen)
     TA: object  # [U / pack, C, pack C] saved A_qk (lower, diagonal), T^T (upper), lane-packed
     state_in: object  # [hb, K, V] f32 saved state entering the step
     dh_final: object  # [hb, K, V] f32
     grads: tuple  # dq, dk, dv, dw, db, dg: in HBM (HEAD_MAJOR), or [nc C, hb, d] blocks
     dh0: object  # [hb, K, V] f32
     d_gate: object | None  # [hb, 2, K] f32 this step's sums for dA_log, d dt_bias (plan.gate)
+    seq_dh0: object | None  # [N, H, K, V] f32 in HBM: per-sequence dh0 (plan.varlen)
     # Scratch.
     dS: object  # [hb, K, V] f32 gradient of the state leaving the step
+    seq_buf: object | None  # [hb, K, V] f32 staging of per-sequence states (plan.varlen)
+    seq_tmp: object | None  # [hb, K, V] f32 a state that a DMA may replace (plan.varlen)
+    seq_sem: object | None  # its DMA semaphore
     stages: tuple  # 6 x [hb, nc C, d] gradient staging for the DMAs (HEAD_MAJOR), else Nones
     sems: object | None  # DMA semaphores (6, hb) (HEAD_MAJOR)
 
     @classmethod
     def unpack(cls, refs, io: blocks.TokenIO) -> BackwardRefs:
-        n = io.refs_per_array
+        plan, n = io.plan, io.refs_per_array
         tiles = [tuple(refs[i * n : (i + 1) * n]) for i in range(7)]
         rest = list(refs[7 * n :])
-        starts = rest.pop(0) if io.plan.segments else None
-        gate_params = rest.pop(0) if io.plan.gate else None
-        TA, state_in, dh_final = rest[:3]
-        grads, dh0 = tuple(rest[3:9]), rest[9]
-        rest = rest[10:]
-        d_gate = rest.pop(0) if io.plan.gate else None
-        dS, staging = rest[0], rest[1:]
-        stages, sems = (tuple(staging[:6]), staging[6]) if staging else ((None,) * 6, None)
+        take = lambda on: rest.pop(0) if on else None  # noqa: E731
+        starts, gate_params = take(plan.segments), take(plan.gate)
+        table, seq_h0, seq_dh_final = take(plan.varlen), take(plan.varlen), take(plan.varlen)
+        TA, state_in, dh_final = rest.pop(0), rest.pop(0), rest.pop(0)
+        grads = tuple(rest.pop(0) for _ in range(6))
+        dh0 = rest.pop(0)
+        d_gate, seq_dh0 = take(plan.gate), take(plan.varlen)
+        dS = rest.pop(0)
+        seq_buf, seq_tmp, seq_sem = take(plan.varlen), take(plan.varlen), take(plan.varlen)
+        stages, sems = (tuple(rest[:6]), rest[6]) if rest else ((None,) * 6, None)
         return cls(
-            *tiles, starts, gate_params, TA, state_in, dh_final, grads, dh0, d_gate, dS, stages,
-            sems,
+            *tiles, starts, gate_params, table, seq_h0, seq_dh_final, TA, state_in, dh_final,
+            grads, dh0, d_gate, seq_dh0, dS, seq_buf, seq_tmp, seq_sem, stages, sems,
         )  # fmt: skip
 
 
@@ -111,10 +120,23 @@ def _backward_kernel(*refs, plan: Plan):
     YU = mm_tn(T_t, jnp.concatenate([L.E_bar, L.Z], axis=2), p.wy)  # [U, C, K + V] F6: T [Ē | Z]
     Y, U = YU[:, :, :K], YU[:, :, K:]
 
+    seqs = None
+    if plan.varlen:  # per-sequence states at chunk boundaries (varlen.py)
+        seqs = varlen.SequenceStates(plan, r.table, None, r.seq_buf, r.seq_sem, head_group, step)
+
+    def replaced(value, j, hbm, when):
+        """``value``, or the per-sequence state in ``hbm`` of chunk j when ``when``."""
+        r.seq_tmp[...] = value
+        seqs.hbm = hbm
+        seqs.read(j, when, r.seq_tmp)
+        return r.seq_tmp[...]
+
     # Pass 0: entry states and residual writes of the step's chunks.
     S = r.state_in[...]  # [hb, K, V]
     S_in, R_all = [], []
     for j in range(plan.nc):
+        if seqs is not None:  # a sequence's first chunk starts from its own h0
+            S = replaced(S, j, r.seq_h0, seqs.is_first(j))
         R = chunk(U, j) - mm(chunk(Y, j), S, p.state)  # [hb, C, V] F7
         S_in.append(S)
         R_all.append(R)
@@ -124,6 +146,8 @@ def _backward_kernel(*refs, plan: Plan):
     dS = r.dS[...]  # [hb, K, V] w.r.t. the state leaving the step
     dS_out, dR_all = [None] * plan.nc, [None] * plan.nc
     for j in reversed(range(plan.nc)):
+        if seqs is not None:  # a sequence's last chunk: the gradient of its h_final
+            dS = replaced(dS, j, r.seq_dh_final, seqs.is_last(j))
         dO_j = chunk(dO, j)  # [hb, C, V]
         dR = scale * mm_tn(chunk(A_qk, j), dO_j, p.state) + mm(
             chunk(L.K_tilde, j), dS, p.state
@@ -134,6 +158,9 @@ def _backward_kernel(*refs, plan: Plan):
             + scale * mm_tn(chunk(L.Q_tilde, j), dO_j, p.state)
             - mm_tn(chunk(Y, j), dR, p.state)
         )  # [hb, K, V] w.r.t. the state entering chunk j
+        if seqs is not None:  # a sequence's first chunk: the gradient of its h0
+            seqs.hbm = r.seq_dh0
+            seqs.write(j, seqs.is_first(j), dS)
     r.dS[...] = dS
 
     @pl.when(i == n_steps - 1)
@@ -191,7 +218,10 @@ def _backward_kernel(*refs, plan: Plan):
         copy.wait()
 
 
-def backward_call(q, k, v, w, b, g, dO, starts, gate_params, TA, states, dh_final, *, plan: Plan):
+def backward_call(
+    q, k, v, w, b, g, dO, starts, gate_params, table, seq_h0, seq_dh_final, TA, states,
+    dh_final, *, plan: Plan,
+):  # fmt: skip
     """Kernel-layout inputs and dO, sequence starts and gate parameters (or None), residuals,
     dh_final -> (dq, dk, dv, dw, db, dg, dh0), and with a fused gate the per-step sums
     ``(B, H / hb, n_steps, hb, 2, K)`` of dA_log (row 0, per channel) and d dt_bias (row 1)."""
@@ -204,6 +234,7 @@ def backward_call(q, k, v, w, b, g, dO, starts, gate_params, TA, states, dh_fina
         *keys, *keys, *vals, *vals, *keys, *keys, *vals,  # q k v w b g dO
         *([blocks.starts_spec(plan, step_of)] if plan.segments else []),
         *([blocks.gate_params_spec(plan)] if plan.gate else []),
+        *([pl.BlockSpec(memory_space=pltpu.SMEM), blocks.hbm_any(), blocks.hbm_any()] if plan.varlen else []),
         blocks.residual_spec(plan, plan.residual_block, step_of),  # T^T | A_qk
         blocks.residual_spec(plan, (hb, K, V), step_of),  # step entry states
         state,  # dh_final
@@ -215,7 +246,13 @@ def backward_call(q, k, v, w, b, g, dO, starts, gate_params, TA, states, dh_fina
     if plan.gate:  # per-step partial sums of dA_log and d dt_bias
         out_shape.append(jax.ShapeDtypeStruct((B, plan.head_groups, plan.n_steps, hb, 2, K), F32))
         out_specs.append(blocks.residual_spec(plan, (hb, 2, K), step_of))
-    scratch = [pltpu.VMEM((hb, K, V), F32), *io.out_scratch(dims, q.dtype)]  # dS; staging
+    if plan.varlen:  # per-sequence dh0, written by DMAs
+        out_shape.append(jax.ShapeDtypeStruct(seq_h0.shape, F32))
+        out_specs.append(blocks.hbm_any())
+    scratch = [pltpu.VMEM((hb, K, V), F32)]  # dS
+    if plan.varlen:  # staging and a replaceable state for the per-sequence DMAs
+        scratch += [pltpu.VMEM((hb, K, V), F32)] * 2 + [pltpu.SemaphoreType.DMA(())]
+    scratch += io.out_scratch(dims, q.dtype)  # gradient staging
     args = [a for x in (q, k, v, w, b, g, dO) for a in io.args(x)]
     return pl.pallas_call(
         functools.partial(_backward_kernel, plan=plan),
@@ -235,5 +272,6 @@ def backward_call(q, k, v, w, b, g, dO, starts, gate_params, TA, states, dh_fina
         *args,
         *([starts] if plan.segments else []),
         *([gate_params] if plan.gate else []),
+        *([table, seq_h0, seq_dh_final] if plan.varlen else []),
         TA, states, dh_final,
     )  # fmt: skip

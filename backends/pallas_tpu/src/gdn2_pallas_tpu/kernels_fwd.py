@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gdn2_pallas_tpu import activations as act
-from gdn2_pallas_tpu import blocks
+from gdn2_pallas_tpu import blocks, varlen
 from gdn2_pallas_tpu import chunk_math as cm
 from gdn2_pallas_tpu.cost import cost_forward
 from gdn2_pallas_tpu.matmul import mm, mm_tn
@@ -39,28 +39,39 @@ class ForwardRefs:
     g: tuple
     starts: object | None  # [nc C, 1] f32 sequence starts (plan.segments)
     gate_params: object | None  # [hb, 2, K] f32 exp(A_log), dt_bias (plan.gate)
+    table: object | None  # SMEM [3, n_chunks] int32 chunk table (plan.varlen, varlen.py)
+    seq_h0: object | None  # [N, H, K, V] f32 in HBM: per-sequence initial states (plan.varlen)
     h0: object  # [hb, K, V] f32
     o: object  # [B, H, t_pad, V] in HBM (HEAD_MAJOR), or the [nc C, hb, V] block
     h_final: object  # [hb, K, V] f32
+    seq_h_final: object | None  # [N, H, K, V] f32 in HBM: per-sequence final states (plan.varlen)
     TA_out: object | None  # [U / pack, C, pack C] residual: A_qk (lower), T^T (upper), lane-packed
     state_out: object | None  # [hb, K, V] f32: the state entering this step
     # Scratch.
     S: object  # [hb, K, V] f32 the carried state
+    seq_buf: object | None  # [hb, K, V] f32 staging of per-sequence states (plan.varlen)
+    seq_sem: object | None  # its DMA semaphore
     o_stage: object | None  # [hb, nc C, V] output staging for the DMAs (HEAD_MAJOR)
     o_sems: object | None  # DMA semaphores (1, hb) (HEAD_MAJOR)
 
     @classmethod
     def unpack(cls, refs, io: blocks.TokenIO, save: bool) -> ForwardRefs:
-        n = io.refs_per_array
+        plan, n = io.plan, io.refs_per_array
         tiles = [tuple(refs[i * n : (i + 1) * n]) for i in range(6)]
         rest = list(refs[6 * n :])
-        starts = rest.pop(0) if io.plan.segments else None
-        gate_params = rest.pop(0) if io.plan.gate else None
-        h0, o, h_final = rest[:3]
-        saved = rest[3:5] if save else [None, None]
-        S, *staging = rest[5:] if save else rest[3:]
-        o_stage, o_sems = staging if staging else (None, None)
-        return cls(*tiles, starts, gate_params, h0, o, h_final, *saved, S, o_stage, o_sems)
+        take = lambda on: rest.pop(0) if on else None  # noqa: E731
+        starts, gate_params = take(plan.segments), take(plan.gate)
+        table, seq_h0 = take(plan.varlen), take(plan.varlen)
+        h0, o, h_final = rest.pop(0), rest.pop(0), rest.pop(0)
+        seq_h_final = take(plan.varlen)
+        TA_out, state_out = take(save), take(save)
+        S = rest.pop(0)
+        seq_buf, seq_sem = take(plan.varlen), take(plan.varlen)
+        o_stage, o_sems = (rest[0], rest[1]) if rest else (None, None)
+        return cls(
+            *tiles, starts, gate_params, table, seq_h0, h0, o, h_final, seq_h_final, TA_out,
+            state_out, S, seq_buf, seq_sem, o_stage, o_sems,
+        )  # fmt: skip
 
 
 def pack_residual(T: jax.Array, A_qk: jax.Array) -> jax.Array:
@@ -103,8 +114,14 @@ def _forward_kernel(*refs, plan: Plan, save: bool):
     YU = mm(T, jnp.concatenate([L.E_bar, L.Z], axis=2), p.wy)  # [U, C, K + V] F6
     Y, U = YU[:, :, :K], YU[:, :, K:]
 
+    seqs = None
+    if plan.varlen:
+        seqs = varlen.SequenceStates(plan, r.table, None, r.seq_buf, r.seq_sem, head_group, step)
     outs = []
     for j in range(plan.nc):  # the state pass, all heads of the step at once
+        if seqs is not None:  # a sequence's first chunk starts from its own h0
+            seqs.hbm = r.seq_h0
+            seqs.read(j, seqs.is_first(j), r.S)
         S = r.S[...]  # [hb, K, V] entering chunk j
         R = blocks.chunk_of(U, j, plan) - mm(
             blocks.chunk_of(Y, j, plan), S, p.state
@@ -113,9 +130,13 @@ def _forward_kernel(*refs, plan: Plan, save: bool):
             blocks.chunk_of(A_qk, j, plan), R, p.state
         )  # [hb, C, V] F8
         outs.append(plan.scale * O)
-        r.S[...] = blocks.chunk_of(L.decay_C_col, j, plan) * S + mm_tn(
+        S_next = blocks.chunk_of(L.decay_C_col, j, plan) * S + mm_tn(
             blocks.chunk_of(L.K_tilde, j, plan), R, p.state
         )  # [hb, K, V] F9
+        r.S[...] = S_next
+        if seqs is not None:  # a sequence's last chunk gives its h_final
+            seqs.hbm = r.seq_h_final
+            seqs.write(j, seqs.is_last(j), S_next)
     o = blocks.stack_chunks(outs, plan)  # [U, C, V]
     sems = None if r.o_sems is None else r.o_sems.at[jnp.int32(0)]
     copies = io.store(o, r.o, r.o_stage, sems, batch, head_group, step)
@@ -128,9 +149,12 @@ def _forward_kernel(*refs, plan: Plan, save: bool):
         copy.wait()
 
 
-def forward_call(q, k, v, w, b, g, starts, gate_params, h0, *, plan: Plan, save: bool):
+def forward_call(
+    q, k, v, w, b, g, starts, gate_params, table, seq_h0, h0, *, plan: Plan, save: bool
+):
     """Kernel-layout inputs (blocks.TokenIO), sequence starts ``(B, t_pad, 1)`` (None without
-    segments), gate parameters ``(H, 2, K)`` (None without a fused gate) and h0 ``(B, H, K, V)``
+    segments), gate parameters ``(H, 2, K)`` (None without a fused gate), the chunk table and the
+    per-sequence initial states (None without cu_seqlens, varlen.py) and h0 ``(B, H, K, V)``
     f32 ->
     ``(o, h_final)``, plus ``(T, A_qk, states)`` residuals when ``save``."""
     B, H, K, V, hb = plan.batch, plan.heads, plan.dk, plan.dv, plan.hb
@@ -143,11 +167,17 @@ def forward_call(q, k, v, w, b, g, starts, gate_params, h0, *, plan: Plan, save:
     if plan.gate:
         seg_specs.append(blocks.gate_params_spec(plan))
         seg_args.append(gate_params)
+    if plan.varlen:
+        seg_specs += [pl.BlockSpec(memory_space=pltpu.SMEM), blocks.hbm_any()]
+        seg_args += [table, seq_h0]
     out_shape = [
         jax.ShapeDtypeStruct(v.shape, v.dtype),  # o, in v's kernel layout
         jax.ShapeDtypeStruct((B, H, K, V), F32),  # h_final
     ]
     out_specs = [io.out_spec(V), state]
+    if plan.varlen:  # per-sequence final states, written by DMAs
+        out_shape.append(jax.ShapeDtypeStruct(seq_h0.shape, F32))
+        out_specs.append(blocks.hbm_any())
     if save:
         res = (B, plan.head_groups, plan.n_steps)
         out_shape += [
@@ -158,7 +188,10 @@ def forward_call(q, k, v, w, b, g, starts, gate_params, h0, *, plan: Plan, save:
             blocks.residual_spec(plan, plan.residual_block, step_of),
             blocks.residual_spec(plan, (hb, K, V), step_of),
         ]
-    scratch = [pltpu.VMEM((hb, K, V), F32), *io.out_scratch([V], v.dtype)]  # S; o staging
+    scratch = [pltpu.VMEM((hb, K, V), F32)]  # S
+    if plan.varlen:
+        scratch += [pltpu.VMEM((hb, K, V), F32), pltpu.SemaphoreType.DMA(())]
+    scratch += io.out_scratch([V], v.dtype)  # o staging
     return pl.pallas_call(
         functools.partial(_forward_kernel, plan=plan, save=save),
         out_shape=out_shape,

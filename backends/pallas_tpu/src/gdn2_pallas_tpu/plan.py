@@ -150,6 +150,12 @@ class Plan:
     segments: bool = False  # packed sequences (segment_ids): resets inside chunks
     activations: object = None  # gdn2core Activations applied in the kernels, or None
     l2norm_eps: float = 1e-6
+    n_seqs: int = 0  # cu_seqlens: the number of packed sequences (varlen.py); 0 otherwise
+
+    @property
+    def varlen(self) -> bool:
+        """Per-sequence states at chunk boundaries (``cu_seqlens``, varlen.py)."""
+        return self.n_seqs > 0
 
     @property
     def fused(self) -> bool:
