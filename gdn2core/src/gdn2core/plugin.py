@@ -10,6 +10,11 @@ A backend distribution:
    (its kernels as report rows) in the same module;
 4. runs the conformance kit: ``gdn2 conformance NAME`` (``docs/backends.md``).
 
+Model features (``docs/backends.md``): a backend declares ``Capabilities(segments=...,
+varlen=..., fused_activations=...)`` and then receives ``extras=`` (an :class:`OpExtras`) and
+``spec.segments`` / ``spec.activations`` (:class:`SegmentMode`, :class:`Activations`,
+:class:`GateMode`; the L2 norm's :data:`L2NORM_EPS`).
+
 Helpers for the array methods: :func:`state_dtype` (the accumulation dtype), :func:`probe` (the
 ``GDN2_FWD_DIAG`` diagnostics), :func:`default_platform`, :func:`is_tpu_available`, :func:`device_memory_bytes`, and the
 token-serial reference :func:`gdn2_token_serial_reference`.
@@ -21,18 +26,23 @@ from gdn2core.diagnostics import probe
 from gdn2core.hooks import BACKENDS_GROUP, TOOLS_GROUP, Command, KernelCost, hookimpl
 from gdn2core.platform import default_platform, device_memory_bytes, is_tpu_available
 from gdn2core.reference import gdn2_token_serial_reference, state_dtype
-from gdn2core.spec import OpSpec
+from gdn2core.spec import L2NORM_EPS, Activations, GateMode, OpExtras, OpSpec, SegmentMode
 
 __all__ = [
     "BACKENDS_GROUP",
+    "L2NORM_EPS",
     "TOOLS_GROUP",
     "YES",
+    "Activations",
     "Backend",
     "Capabilities",
     "Command",
+    "GateMode",
     "KernelConfig",
     "KernelCost",
+    "OpExtras",
     "OpSpec",
+    "SegmentMode",
     "Verdict",
     "default_platform",
     "device_memory_bytes",
