@@ -100,7 +100,7 @@ def raw_gradients(x: Activated, raw_g, gate_params, act, valid, dq, dk, db, dw, 
         else:
             s = _sigmoid(a * raw_g)
             d_raw = dg * act.lower_bound * s * (1.0 - s) * a
-            d_log_a = d_raw * raw_g
+            d_log_a = jnp.where(d_raw == 0, ZERO, d_raw * raw_g)  # raw_g = -inf pads (varlen.py)
             d_dt = jnp.zeros_like(d_raw)
         d_raw = jnp.where(valid, d_raw, ZERO)
         d_log_a = jnp.where(valid, d_log_a, ZERO)
