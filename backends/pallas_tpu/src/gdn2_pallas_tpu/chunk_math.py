@@ -4,7 +4,7 @@ Every function works on a batch of units: arrays ``[U, C, d]`` where a unit is o
 ``C`` tokens of one head, so that the chunk-parallel work of all the chunks and heads of a grid
 step runs as batched matrix products whose dependency chains interleave on the MXU.
 
-Decay-safe scores by levels (docs/algorithm.md, "Scores by levels"). ``C = 2^L``. Two rows
+Decay-safe scores by levels (docs/algorithm.md section 10). ``C = 2^L``. Two rows
 ``s < r`` of a chunk are first separated at one level ``l`` (``h = 2^l``): they lie in the same
 aligned ``2h``-block, ``r`` in its lower half and ``s`` in its upper half. Through the block's
 reference row ``p`` (the first row of the lower half; ``s < p <= r``)::
