@@ -19,9 +19,11 @@ from gdn2core import (
     OpExtras,
     OpSpec,
     SegmentMode,
+    estimate_memory,
     gdn2_forward,
     gdn2_forward_trainable,
     gdn2_token_serial_reference,
+    get_recommended_config,
     register_backend,
     unregister_backend,
     which_backend,
@@ -208,6 +210,13 @@ def test_refusals_name_the_argument(plain_only):
         gdn2_forward(*z.args, backend="plain_only")
     repeated = make_feature_inputs(FeatureCase(T=9, dk=8, dv=8, groups=2, gate_heads="value"))
     gdn2_forward(*repeated.args, backend="plain_only")  # repeated keys keep dv = 8
+
+
+def test_memory_estimate_of_a_grouped_call_is_that_of_the_plain_call():
+    grouped = OpSpec(1, 256, 4, 64, 64, "float32", 0.125, value_heads=8)  # b, g on key heads
+    plain = OpSpec(1, 256, 4, 64, 128, "float32", 0.125)
+    config = get_recommended_config(grouped)
+    assert estimate_memory(grouped, config) == estimate_memory(plain, config)
 
 
 def test_capabilities_describe_the_features():
