@@ -44,13 +44,13 @@ def test_wrong_backend_fails_naming_the_capability(tmp_path):
 
 
 def _packing(name: str) -> set[Feature]:
-    """The packed-sequence features the backend declares (they follow its capabilities)."""
+    """The gated features (packed sequences, fused activations) the backend declares."""
     caps = get_backend(name).capabilities
     return {f for f, flag in GATED_FEATURES.items() if getattr(caps, flag)}
 
 
-#: Resolved by the core for every backend: grouped value heads, activations applied in XLA.
-CORE_FEATURES = {Feature.GVA, Feature.FUSED_ACTIVATIONS}
+#: Resolved by the core for every backend: grouped value heads.
+CORE_FEATURES = {Feature.GVA}
 
 
 def test_target_is_derived_from_declared_capabilities(tmp_path):
@@ -64,6 +64,7 @@ def test_target_is_derived_from_declared_capabilities(tmp_path):
     assert not jax_ref.config.interpret
     scan = Target.for_backend("scan_baseline")
     assert {Feature.SEGMENTS, Feature.VARLEN} <= scan.features
+    assert Feature.FUSED_ACTIVATIONS not in scan.features  # the core applies them in XLA
     with installed_plugins(tmp_path, "gdn2-toy-backend"):
         toy = Target.for_backend("toy_serial")
     assert toy.head_sizes == ((4, 4), (4, 8), (8, 4))

@@ -19,9 +19,11 @@ from gdn2core import (
     OpExtras,
     OpSpec,
     SegmentMode,
+    estimate_memory,
     gdn2_forward,
     gdn2_forward_trainable,
     gdn2_token_serial_reference,
+    get_recommended_config,
     register_backend,
     unregister_backend,
     which_backend,
@@ -36,6 +38,8 @@ from gdn2core.testing import (
     GateHeads,
     ReferenceBackend,
     activate_numpy,
+    check_central_differences,
+    cotangent_loss,
     make_feature_inputs,
     outputs_and_grads,
     rel_err,
@@ -131,7 +135,7 @@ class PlainOnly(Backend):
 
     name = "plain_only"
     priority = 0
-    capabilities = Capabilities(auto=False, dv=(8,))
+    capabilities = Capabilities(auto=False, dv=(8,))  # float64 included
     seen: list = []  # noqa: RUF012 - what the calls received
 
     def forward(self, q, k, v, w, b, g, h0, *, spec, config):
@@ -149,13 +153,16 @@ def plain_only():
     PlainOnly.seen.clear()
 
 
-def test_backend_without_extras_runs_gva_and_activations(plain_only):
+@pytest.mark.parametrize("act", ACTIVATION_CASES, ids=str)
+def test_backend_without_extras_runs_gva_and_activations(act, plain_only):
     """The core resolves GVA and applies the activations in XLA for a backend that does not fuse
-    them: it gets a plain spec and no extras, and the result is the reference's (forward and
-    every gradient); a backend that fuses them (the reference backend) gets them raw."""
-    act = ACTIVATION_CASES[0]
+    them (the kit's FUSED_ACTIVATIONS tests, which only fusing backends claim, held against the
+    XLA path): it gets a plain spec and no extras; the result equals the unfused op on inputs
+    activated in NumPy and, with every gradient (A_log, dt_bias included), the reference. A
+    backend that fuses them (the reference backend) gets them raw."""
     x = make_feature_inputs(FeatureCase(T=9, H=2, dk=8, dv=4, groups=2, activations=act, seed=7))
     o_ref, h_ref, want = outputs_and_grads(op_function(gdn2_token_serial_reference, x), x)
+    unfused = gdn2_forward(*activate_numpy(x, act).args, h0=x.h0, backend="plain_only")
     for name in ("plain_only", "fused_ref"):
         o, h, grads = outputs_and_grads(op_function(gdn2_forward_trainable, x, backend=name), x)
         # float32, the same token-serial arithmetic; the XLA path rounds the activated inputs to
@@ -165,10 +172,27 @@ def test_backend_without_extras_runs_gva_and_activations(plain_only):
             ("h_final", h, h_ref),
             *zip(x.grad_names, grads, want, strict=True),
         )
+        pairs += (("o (unfused)", o, unfused[0]), ("h_final (unfused)", h, unfused[1]))
         for label, a, e in pairs:
             assert rel_err(a, e) < 1e-5, (name, label)
     spec = plain_only.seen[-1]
     assert (spec.heads, spec.value_heads, spec.dv) == (2, 2, 8) and not spec.activations.any
+
+
+def test_xla_activation_gradients_match_central_differences(plain_only, x64):
+    """float64: the gradients through the XLA path (A_log, dt_bias included) of a backend that
+    does not fuse the activations, against central differences."""
+    act = ACTIVATION_CASES[0]
+    x = make_feature_inputs(
+        FeatureCase(T=6, H=1, dk=8, dv=4, groups=2, activations=act, seed=8), jnp.float64
+    )
+    fn = op_function(gdn2_forward_trainable, x, backend="plain_only")
+
+    def loss(*args):
+        o, h = fn(*args)
+        return cotangent_loss(o, h, x.do, x.dh)
+
+    check_central_differences(loss, x.diff_args, names=x.grad_names)
 
 
 def test_refusals_name_the_argument(plain_only):
@@ -186,6 +210,13 @@ def test_refusals_name_the_argument(plain_only):
         gdn2_forward(*z.args, backend="plain_only")
     repeated = make_feature_inputs(FeatureCase(T=9, dk=8, dv=8, groups=2, gate_heads="value"))
     gdn2_forward(*repeated.args, backend="plain_only")  # repeated keys keep dv = 8
+
+
+def test_memory_estimate_of_a_grouped_call_is_that_of_the_plain_call():
+    grouped = OpSpec(1, 256, 4, 64, 64, "float32", 0.125, value_heads=8)  # b, g on key heads
+    plain = OpSpec(1, 256, 4, 64, 128, "float32", 0.125)
+    config = get_recommended_config(grouped)
+    assert estimate_memory(grouped, config) == estimate_memory(plain, config)
 
 
 def test_capabilities_describe_the_features():

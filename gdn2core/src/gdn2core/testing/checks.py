@@ -7,6 +7,7 @@ fused gate: :attr:`Inputs.diff_args`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -46,11 +47,19 @@ def outputs_and_grads(fn: OpFn, x: Inputs) -> tuple[jax.Array, jax.Array, tuple[
         ``ddt_bias`` when present (labels: :attr:`Inputs.grad_names`).
     """
 
+    return _jitted_vjp(fn)(x.diff_args, x.do, x.dh)
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted_vjp(fn: OpFn):
+    """One jitted program per ``fn`` (the same function on new inputs of the same shapes, e.g. a
+    perturbed copy, reuses the compiled program)."""
+
     def run(args, do, dh):
         (o, h), vjp = jax.vjp(fn, *args)
         return o, h, vjp((do.astype(o.dtype), dh.astype(h.dtype)))
 
-    return jax.jit(run)(x.diff_args, x.do, x.dh)
+    return jax.jit(run)
 
 
 def op_function(op: Callable, x: Inputs, **kwargs) -> OpFn:

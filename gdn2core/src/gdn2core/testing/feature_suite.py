@@ -116,9 +116,14 @@ def varlen_case(target: Target, **kw) -> FeatureCase:
 # --- checks ----------------------------------------------------------------------------------
 
 
-def _forward(target: Target, x: Inputs) -> tuple[jax.Array, jax.Array]:
-    """``gdn2_forward`` under ``jax.jit`` with every array (segment_ids, cu_seqlens too) traced."""
-    arrays = {n: a for n, a in x.options.items() if hasattr(a, "shape")}
+def _arrays(x: Inputs) -> dict:
+    return {n: a for n, a in x.options.items() if hasattr(a, "shape")}
+
+
+def forward_function(target: Target, x: Inputs):
+    """``gdn2_forward`` of the target under ``jax.jit``, every array (segment_ids, cu_seqlens
+    too) traced: ``f(x.diff_args, arrays) -> (o, h_final)``, for any inputs shaped like ``x``."""
+    arrays = _arrays(x)
     flags = {n: a for n, a in x.options.items() if n not in arrays}
 
     def run(diff, arrays):
@@ -129,7 +134,11 @@ def _forward(target: Target, x: Inputs) -> tuple[jax.Array, jax.Array]:
             **arrays, **flags, **gate,
         )  # fmt: skip
 
-    return jax.jit(run)(x.diff_args, arrays)
+    return jax.jit(run)
+
+
+def _forward(target: Target, x: Inputs) -> tuple[jax.Array, jax.Array]:
+    return forward_function(target, x)(x.diff_args, _arrays(x))
 
 
 def _trainable(target: Target, x: Inputs):
@@ -192,15 +201,17 @@ def check_no_leakage(target: Target, x: Inputs, fresh: Inputs, row: int, span, s
     y = _replace_tokens(x, fresh, row, span)
     keep = np.ones(x.q.shape[:2], bool)
     keep[row, span] = False
-    o_x, h_x = _forward(target, x)
-    o_y, h_y = _forward(target, y)
+    forward = forward_function(target, x)  # one program for both
+    o_x, h_x = forward(x.diff_args, _arrays(x))
+    o_y, h_y = forward(y.diff_args, _arrays(y))
     assert not np.array_equal(np.asarray(o_x)[~keep], np.asarray(o_y)[~keep]), "no perturbation"
     _assert_same("o", o_x, o_y, keep)
     _assert_same("h_final", h_x, h_y, state_keep)
     if Feature.TRAINABLE not in target.claimed():
         return
-    _, _, gx = outputs_and_grads(_trainable(target, x), x)
-    _, _, gy = outputs_and_grads(_trainable(target, y), y)
+    trainable = _trainable(target, x)  # y has x's options: one program for both
+    _, _, gx = outputs_and_grads(trainable, x)
+    _, _, gy = outputs_and_grads(trainable, y)
     for name, a, b in zip(x.grad_names, gx, gy, strict=False):
         if name in ("dA_log", "ddt_bias"):  # shared by every sequence: not per sequence
             continue

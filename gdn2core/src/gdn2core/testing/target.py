@@ -26,13 +26,18 @@ class Feature(enum.StrEnum):
     FLOAT64 = "float64"  # float64 outputs and central-difference gradients
     VMAP = "vmap"  # jit(vmap(...)) and grad of the call compose
     GVA = "gva"  # grouped value heads (the core resolves them for every backend)
-    FUSED_ACTIVATIONS = "fused_activations"  # gates and L2 norm inside the op (fused or in XLA)
+    FUSED_ACTIVATIONS = "fused_activations"  # gates and L2 norm applied by the backend itself
     SEGMENTS = "segments"  # packed sequences by segment_ids (Capabilities.segments)
     VARLEN = "varlen"  # packed sequences by cu_seqlens (Capabilities.varlen)
 
 
-#: Features a target can claim only when its backend declares the capability.
-GATED_FEATURES: dict[Feature, str] = {Feature.SEGMENTS: "segments", Feature.VARLEN: "varlen"}
+#: Features a target can claim only when its backend declares the capability (the field of
+#: :class:`~gdn2core.plugin.Capabilities`).
+GATED_FEATURES: dict[Feature, str] = {
+    Feature.SEGMENTS: "segments",
+    Feature.VARLEN: "varlen",
+    Feature.FUSED_ACTIVATIONS: "fused_activations",
+}
 
 
 def capability(feature: Feature, *also: Feature) -> Callable:
@@ -200,9 +205,11 @@ CONFIG_CANDIDATES: tuple[KernelConfig, ...] = (
 def declared_features(name: str, *, interpret: bool = False) -> frozenset[Feature]:
     """The features an installed backend's capabilities declare.
 
-    FORWARD, GVA and FUSED_ACTIVATIONS always (the core resolves grouped value heads and applies
-    activations a backend does not fuse); TRAINABLE, BFLOAT16, FLOAT64 from trainability and
-    dtypes; SEGMENTS and VARLEN from ``Capabilities.segments`` / ``varlen``; VMAP unless run in
+    FORWARD and GVA always (the core resolves grouped value heads for every backend); TRAINABLE,
+    BFLOAT16, FLOAT64 from trainability and dtypes; SEGMENTS, VARLEN and FUSED_ACTIVATIONS from
+    ``Capabilities.segments`` / ``varlen`` / ``fused_activations`` (for a backend that does not
+    fuse the activations the core applies them in XLA, tested once in gdn2's own tests, not per
+    backend); VMAP unless run in
     interpret mode (JAX's TPU interpret mode does not batch a ``pallas_call``; a target that
     batches it anyway claims VMAP explicitly).
 
@@ -219,11 +226,12 @@ def declared_features(name: str, *, interpret: bool = False) -> frozenset[Featur
     from gdn2core.registry import get_backend
 
     caps = get_backend(name).capabilities
-    features = {Feature.FORWARD, Feature.GVA, Feature.FUSED_ACTIVATIONS}
+    features = {Feature.FORWARD, Feature.GVA}
     features |= {Feature.TRAINABLE} if caps.trainable else set()
     features |= {Feature.BFLOAT16} if "bfloat16" in caps.dtypes else set()
     features |= {Feature.FLOAT64} if "float64" in caps.dtypes else set()
     features |= {Feature.SEGMENTS} if caps.segments else set()
     features |= {Feature.VARLEN} if caps.varlen else set()
+    features |= {Feature.FUSED_ACTIVATIONS} if caps.fused_activations else set()
     features |= set() if interpret else {Feature.VMAP}
     return frozenset(features)
