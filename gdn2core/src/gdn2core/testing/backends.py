@@ -7,7 +7,7 @@ construction (autodiff gradients, any shape, slow). Named only: ``backend="auto"
 from __future__ import annotations
 
 from gdn2core.backend import Backend, Capabilities
-from gdn2core.reference import gdn2_token_serial_reference
+from gdn2core.reference import token_serial
 
 
 class ReferenceBackend(Backend):
@@ -16,12 +16,13 @@ class ReferenceBackend(Backend):
     Args:
         name: the name to register it under (default ``"token_serial"``).
         priority: its priority.
-        capabilities: what it claims (default: everything, named only).
+        capabilities: what it claims (default: everything, named only: packed sequences of both
+            kinds and fused activations, which it applies token by token).
     """
 
     name = "token_serial"
     priority = 0
-    capabilities = Capabilities(auto=False)
+    capabilities = Capabilities(auto=False, segments=True, varlen=True, fused_activations=True)
 
     def __init__(
         self,
@@ -37,7 +38,7 @@ class ReferenceBackend(Backend):
         if capabilities is not None:
             self.capabilities = capabilities
 
-    def forward(self, q, k, v, w, b, g, h0, *, spec, config):
+    def forward(self, q, k, v, w, b, g, h0, *, spec, config, extras=None):
         """The reference's ``(o, h_final)`` (see :class:`~gdn2core.plugin.Backend`)."""
         del config
-        return gdn2_token_serial_reference(q, k, v, w, b, g, spec.scale, h0)
+        return token_serial(spec, q, k, v, w, b, g, h0, extras)
