@@ -16,7 +16,7 @@ import pytest
 
 from gdn2_jax_ref import chunk
 from gdn2_jax_ref.params import ChunkParams
-from gdn2_jax_ref.varlen import VarlenLayout, varlen_length
+from gdn2_jax_ref.varlen import VarlenLayout, VarlenRows, varlen_length
 from gdn2_jax_ref.vjp import gdn2_chunk_trainable
 from gdn2core import KernelConfig
 from gdn2core.testing import Case, make_inputs, rel_err
@@ -191,28 +191,40 @@ def test_no_leakage_bit_for_bit(victim):
         assert same(a[0, keep], b[0, keep]), name
 
 
-def test_layout():
-    """Every sequence starts on a chunk boundary, in order; the gaps are zero tokens; the chunk
-    flags mark each non-empty sequence's first and last chunk; the way back is exact."""
+def test_layout_and_windows():
+    """Every sequence starts on a chunk boundary and its chunks read consecutive windows of the
+    row, in order; the chunk flags mark each non-empty sequence's first and last chunk; reading a
+    group gives zero tokens past each sequence, and writing it back restores the row exactly,
+    whatever order the groups are written in."""
     cu, T, C = [0, 0, 5, 6, 6, 23, 23], 23, 4
-    n_chunks = varlen_length(T, 6, C) // C + 2  # two chunks of blocking padding after the row
-    lay = VarlenLayout.build(jnp.asarray(cu, jnp.int32), T, C, n_chunks)
-    pos = np.asarray(lay.pos)
-    for n in range(6):
-        if cu[n + 1] > cu[n]:
-            p = pos[cu[n] : cu[n + 1]]
-            assert p[0] % C == 0 and np.all(np.diff(p) == 1), n
-            c0, c1 = p[0] // C, p[-1] // C
-            assert np.all(np.asarray(lay.chunk_seq[c0 : c1 + 1]) == n), n
-            assert bool(lay.chunk_first[c0]) and bool(lay.chunk_last[c1]), n
-            assert np.sum(np.asarray(lay.chunk_first[c0 : c1 + 1])) == 1, n
-            assert np.sum(np.asarray(lay.chunk_last[c0 : c1 + 1])) == 1, n
-    assert np.all(np.diff(pos) > 0)
-    np.testing.assert_array_equal(np.asarray(lay.empty), [True, False, False, True, False, True])
+    length = varlen_length(T, 6, C)
+    blk = chunk.Blocking(seq_len=length, bt=C, group=3, n_groups=-(-length // (3 * C)) + 1)
+    lay = VarlenLayout.build(jnp.asarray(cu, jnp.int32), T, C, blk.n_chunks)
+    src, n_rows = np.asarray(lay.chunk_src), np.asarray(lay.chunk_len)
+    seq = np.asarray(lay.chunk_seq)
+    first, last = np.asarray(lay.chunk_first), np.asarray(lay.chunk_last)
     used = (5 + 3) // C + 1 + (17 + 3) // C  # chunks of the three non-empty sequences
-    assert not np.any(np.asarray(lay.chunk_first[used:]) | np.asarray(lay.chunk_last[used:]))
+    assert int(lay.n_used) == used
+    tokens = np.concatenate(
+        [np.arange(s, s + n) for s, n in zip(src[:used], n_rows[:used], strict=True)]
+    )
+    np.testing.assert_array_equal(tokens, np.arange(T))  # each token once, in order
+    for n in (1, 2, 4):
+        mine = np.flatnonzero(seq[:used] == n)
+        assert src[mine[0]] == cu[n] and np.all(n_rows[mine[:-1]] == C), n
+        assert first[mine].tolist() == [True] + [False] * (len(mine) - 1), n
+        assert last[mine].tolist() == [False] * (len(mine) - 1) + [True], n
+    assert not np.any(first[used:] | last[used:]) and not np.any(n_rows[used:])
+    np.testing.assert_array_equal(np.asarray(lay.empty), [True, False, False, True, False, True])
+
+    io = VarlenRows(lay, blk)
     x = jnp.arange(T * 2, dtype=jnp.float32).reshape(1, T, 1, 2) + 1.0
-    relaid = lay.gather_in(x)  # [1, Tv, 1, 2]
-    assert relaid.shape == (1, varlen_length(T, 6, C), 1, 2)
-    assert int(jnp.sum(relaid[0, :, 0, 0] != 0)) == T  # the gaps hold zero tokens
-    np.testing.assert_array_equal(np.asarray(lay.gather_out(relaid)), np.asarray(x))
+    xp = io.pad(x)  # [1, T, 1, 2]
+    groups = [io.load(xp, i, jnp.float32) for i in range(blk.n_groups)]  # [G, 1, 1, C, 2]
+    rows = jnp.concatenate(groups)[:, 0, 0, :, 0]  # [Nc, C]
+    assert int(jnp.sum(rows != 0)) == T  # zero tokens past each sequence
+    for order in (range(blk.n_groups), reversed(range(blk.n_groups))):
+        buf = jnp.zeros_like(xp)
+        for i in order:
+            buf = io.store(buf, groups[i], i)
+        np.testing.assert_array_equal(np.asarray(buf), np.asarray(xp))

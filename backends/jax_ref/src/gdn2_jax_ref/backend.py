@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from gdn2_jax_ref.forward import gdn2_chunk_forward, gdn2_varlen_forward
+from gdn2_jax_ref.forward import gdn2_chunk_forward
 from gdn2_jax_ref.params import ChunkParams
 from gdn2_jax_ref.vjp import gdn2_chunk_trainable
 from gdn2core.plugin import Backend, Capabilities, KernelConfig, OpExtras, OpSpec
@@ -20,7 +20,7 @@ def _packing(extras: OpExtras | None) -> tuple[jax.Array | None, jax.Array | Non
 class JaxRefBackend(Backend):
     """Any dk/dv, float32/bfloat16/float64, trainable; always available. Packed sequences by
     segment ids (resets anywhere, no padding) and by cu_seqlens (one h0/h_final per sequence;
-    sequences re-laid out to chunk boundaries, see :mod:`gdn2_jax_ref.varlen`). The core applies
+    each sequence from a chunk boundary, see :mod:`gdn2_jax_ref.varlen`). The core applies
     fused activations in XLA and resolves grouped value heads before the call."""
 
     name = "jax_ref"
@@ -44,12 +44,9 @@ class JaxRefBackend(Backend):
         """The chunked forward (see :class:`gdn2core.plugin.Backend`)."""
         params = ChunkParams.from_spec(spec, config)
         segment_ids, cu_seqlens = _packing(extras)
-        if cu_seqlens is None:
-            o, h_final, _ = gdn2_chunk_forward(
-                q, k, v, w, b, g, h0, params, segment_ids=segment_ids
-            )
-        else:
-            o, h_final, _ = gdn2_varlen_forward(q, k, v, w, b, g, h0, cu_seqlens, params)
+        o, h_final, _ = gdn2_chunk_forward(
+            q, k, v, w, b, g, h0, params, segment_ids=segment_ids, cu_seqlens=cu_seqlens
+        )
         return o, h_final.astype(h0.dtype)
 
     def forward_trainable(

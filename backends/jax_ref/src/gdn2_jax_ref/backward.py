@@ -21,13 +21,12 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from gdn2_jax_ref.chunk import load_group, pad_time, store_group
-from gdn2_jax_ref.forward import entry_states, plan_blocking, varlen_layout
+from gdn2_jax_ref.forward import entry_states, plan_rows
 from gdn2_jax_ref.local import LOG_DECAY_FLOOR, ChunkLocal, chunk_local, cumsum_rows
 from gdn2_jax_ref.params import ChunkParams, einsum
 from gdn2_jax_ref.scores import score_kappa, score_rho
 from gdn2_jax_ref.segments import RowSegments
-from gdn2_jax_ref.varlen import SeqStates, VarlenLayout, enter, record
+from gdn2_jax_ref.varlen import SeqStates, enter, record
 from gdn2core.diagnostics import probe
 
 
@@ -173,39 +172,49 @@ def gdn2_chunk_backward(
     dh_final: Float[Array, "B H K V"],
     params: ChunkParams,
     segment_ids: Int[Array, "B T"] | None = None,
-    varlen: VarlenLayout | None = None,
+    cu_seqlens: Int[Array, " N1"] | None = None,
     h0: Float[Array, "N H K V"] | None = None,
 ) -> tuple[Float[Array, "B T H _"], ...]:
     """Gradients ``(dq, dk, dv, dw, db, dg, dh0)``: inputs' dtypes, dh0 in the state dtype.
 
-    ``segment_ids``, ``varlen``: as :func:`gdn2_jax_ref.forward.gdn2_chunk_forward`; with
-    ``varlen``, ``h0`` (the per-sequence initial states) is required and dh_final and dh0 are per
-    sequence."""
+    ``segment_ids``, ``cu_seqlens``: as :func:`gdn2_jax_ref.forward.gdn2_chunk_forward`; with
+    ``cu_seqlens``, ``h0`` (the per-sequence initial states) is required and dh_final and dh0 are
+    per sequence."""
     acc = params.acc_dtype
     bsz, seq = q.shape[:2]
-    blk = plan_blocking(q, v, params)
+    blk, io, varlen = plan_rows(q, v, params, cu_seqlens)
     rows = None if segment_ids is None else RowSegments.build(segment_ids, blk)
-    dS0, dh0_0, h0_acc = dh_final.astype(acc), None, None  # [B, H, K, V]
+    dS0, dh0_0, seqs_h0, seqs_dh = dh_final.astype(acc), None, None, None  # [B, H, K, V]
     if varlen is not None:  # the carry starts at zero; dh_final[n] enters at chunk level
-        h0_acc = h0.astype(acc)  # [N, H, K, V]
+        seqs_h0, seqs_dh = h0.astype(acc), dh_final.astype(acc)  # [N, H, K, V]
         dS0 = jnp.zeros((bsz, *dh_final.shape[1:]), acc)  # [B=1, H, K, V]
-        dh0_0 = jnp.where(varlen.empty[:, None, None, None], dh_final.astype(acc), 0.0)
-    inputs = tuple(pad_time(x, blk) for x in (q, k, v, w, b, g))  # [B, Tp, H, d]
-    do = pad_time(do, blk)  # [B, Tp, H, V]
+        dh0_0 = jnp.where(varlen.empty[:, None, None, None], seqs_dh, 0.0)  # empty: dh_final
+    inputs = tuple(io.pad(x) for x in (q, k, v, w, b, g))  # [B, Tp, H, d]
+    do = io.pad(do)  # [B, Tp, H, V]
     bufs0 = tuple(jnp.zeros_like(x) for x in inputs)  # gradient buffers [B, Tp, H, d]
+
+    def group_work(dS, dh0, i, S0):
+        qc, kc, vc, wc, bc, gc = (io.load(x, i, acc) for x in inputs)  # [G, B, H, C, d]
+        dO = io.load(do, i, acc)  # [G, B, H, C, V]
+        seg = None if rows is None else rows.load_group(i, blk)  # [G, B, 1, C, 1]
+        L = chunk_local(qc, kc, vc, wc, bc, gc, params=params, seg=seg)
+        seqs = None if varlen is None else SeqStates(varlen.group(i, blk.group), seqs_h0, seqs_dh)
+        return chunk_grads(L, qc, kc, vc, wc, bc, gc, S0, dO, dS, params, seqs, dh0)
+
+    def group_skip(dS, dh0, i, S0):  # zero tokens only (see the forward): no gradient
+        shape = (blk.group, bsz, q.shape[2], blk.bt)  # [G, B, H, C]
+        grads = tuple(jnp.zeros((*shape, x.shape[-1]), acc) for x in inputs)
+        return grads, dS, dh0
 
     def group_step(carry, xs):
         dS, bufs, dh0 = carry  # [B, H, K, V], 6 x [B, Tp, H, d], [N, H, K, V] or None
         i, S0 = xs  # group index, [B, H, K, V] group-entry state
-        qc, kc, vc, wc, bc, gc = (load_group(x, i, blk, acc) for x in inputs)  # [G, B, H, C, d]
-        dO = load_group(do, i, blk, acc)  # [G, B, H, C, V]
-        seg = None if rows is None else rows.load_group(i, blk)  # [G, B, 1, C, 1]
-        L = chunk_local(qc, kc, vc, wc, bc, gc, params=params, seg=seg)
-        seqs = None
-        if varlen is not None:
-            seqs = SeqStates(varlen.group(i, blk.group), h0_acc, dh_final.astype(acc))
-        grads, dS_in, dh0 = chunk_grads(L, qc, kc, vc, wc, bc, gc, S0, dO, dS, params, seqs, dh0)
-        bufs = tuple(store_group(buf, d, i, blk) for buf, d in zip(bufs, grads, strict=True))
+        if varlen is None:
+            grads, dS_in, dh0 = group_work(dS, dh0, i, S0)
+        else:
+            used = varlen.group_used(i, blk.group)
+            grads, dS_in, dh0 = lax.cond(used, group_work, group_skip, dS, dh0, i, S0)
+        bufs = tuple(io.store(buf, d, i) for buf, d in zip(bufs, grads, strict=True))
         return (dS_in, bufs, dh0), None
 
     carry0 = (dS0, bufs0, dh0_0)
@@ -214,27 +223,3 @@ def gdn2_chunk_backward(
     dq, dk, dv, dw, db, dg = (buf[:, :seq] for buf in bufs)
     dh0 = dS_in if dh0 is None else dh0  # [B or N, H, K, V]
     return dq, dk, dv, dw, db, probe("jax_ref dg", dg), probe("jax_ref dh0", dh0)
-
-
-def gdn2_varlen_backward(
-    q: Float[Array, "1 T H K"],
-    k: Float[Array, "1 T H K"],
-    v: Float[Array, "1 T H V"],
-    w: Float[Array, "1 T H V"],
-    b: Float[Array, "1 T H K"],
-    g: Float[Array, "1 T H K"],
-    h0: Float[Array, "N H K V"],
-    cu_seqlens: Int[Array, " N1"],
-    states: Float[Array, "n 1 H K V"],
-    do: Float[Array, "1 T H V"],
-    dh_final: Float[Array, "N H K V"],
-    params: ChunkParams,
-) -> tuple[Float[Array, "_ _ H _"], ...]:
-    """Gradients of :func:`gdn2_jax_ref.forward.gdn2_varlen_forward` (dh0 per sequence): the
-    inputs and dO are re-laid as in the forward, the gradients gathered back."""
-    layout = varlen_layout(q, v, cu_seqlens, params)
-    inputs = tuple(layout.gather_in(x) for x in (q, k, v, w, b, g))  # [1, Tv, H, d]
-    *grads, dh0 = gdn2_chunk_backward(
-        *inputs, states, layout.gather_in(do), dh_final, params, varlen=layout, h0=h0
-    )
-    return (*(layout.gather_out(d) for d in grads), dh0)  # 6 x [1, T, H, d], [N, H, K, V]

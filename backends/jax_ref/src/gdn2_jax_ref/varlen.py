@@ -1,10 +1,10 @@
 """Packed sequences by ``cu_seqlens`` (fla's convention, B = 1): one h0 and one h_final per
 sequence.
 
-Sequence n is tokens ``cu_seqlens[n]:cu_seqlens[n+1]`` of the single row. The row is re-laid out
-so that every sequence starts at a chunk boundary (a gather; sequence n begins at chunk
-``sum_{m<n} ceil(L_m / C)``, and the tokens up to the next boundary are zero tokens, k = 0 and
-g = 0, which leave the state unchanged exactly). The chunks then never mix two sequences, and the
+Sequence n is tokens ``cu_seqlens[n]:cu_seqlens[n+1]`` of the single row. The chunks are laid out
+so that every sequence starts at a chunk boundary: sequence n takes chunks
+``sum_{m<n} ceil(L_m / C)`` on, and the rows of its last chunk past its end are zero tokens
+(k = 0, g = 0: they leave the state unchanged exactly). No chunk mixes two sequences, and the
 resets are chunk-level, in the sequential state pass only:
 
 - forward: at a sequence's first chunk the entry state is ``h0[n]`` (not the carried one); the
@@ -13,13 +13,17 @@ resets are chunk-level, in the sequential state pass only:
   entering its first chunk is ``dh0[n]``, nothing flows from one sequence into another;
   ``dh0[n] = dh_final[n]`` for an empty one.
 
-Outputs and gradients are gathered back (a gather both ways, no scatter).
+The re-laid row is never stored: each chunk reads C consecutive tokens of the caller's row
+(:class:`VarlenRows`; the rows past the sequence's end are zero tokens when read and dropped when
+written), so the inputs, outputs and gradients stay in the caller's layout.
 
-Padding cost: the re-laid row has the static length ``T + N * (C - 1)`` rounded up to a multiple
-of C (N = number of sequences, static from ``cu_seqlens.shape``), so the chunk work grows by at
-most ``N * (C - 1) / T``: nothing for one sequence, 6% for 8 sequences of 1024 tokens at C = 64,
-100% for sequences of about C tokens. The segment-ids path (:mod:`gdn2_jax_ref.segments`) has no
-padding at all, but only one h0 and h_final per row.
+Padding cost: the chunk count is static, ``ceil((T + N (C - 1)) / C)`` (N = number of sequences,
+static from ``cu_seqlens.shape``); the groups of chunks past the last sequence are skipped at run
+time (``lax.cond``), so the work grows by the actual padding, ``sum_n (ceil(L_n / C) C - L_n)``
+tokens: about ``N C / 2`` for lengths that are not multiples of C, i.e. nothing for one sequence,
+3% for 8 sequences of 1024 tokens at C = 64, about 50% for sequences of about C tokens. The
+segment-ids path (:mod:`gdn2_jax_ref.segments`) has no padding at all, but only one h0 and h_final
+per row.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
+from gdn2_jax_ref.chunk import Blocking
+
 
 def varlen_length(seq_len: int, n_seqs: int, bt: int) -> int:
     """Static length of the re-laid row: ``T + N (C - 1)`` rounded up to a multiple of C."""
@@ -40,24 +46,26 @@ def varlen_length(seq_len: int, n_seqs: int, bt: int) -> int:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["src", "valid", "pos", "chunk_seq", "chunk_first", "chunk_last", "empty"],
+    data_fields=[
+        *("chunk_src", "chunk_len", "chunk_seq", "chunk_first", "chunk_last", "empty", "n_used")
+    ],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
 class VarlenLayout:
-    """Where every token goes in the re-laid row, and the chunk-level resets there.
+    """Where every chunk reads its tokens, and the chunk-level resets.
 
-    The chunk arrays cover ``n_chunks`` chunks (those of the re-laid row and any trailing padding
-    of the blocking); chunks past the last sequence belong to none (first = last = False).
+    The chunk arrays cover ``n_chunks`` chunks (those of the static length and any padding of the
+    blocking); chunks past the last sequence belong to none (first = last = False, no tokens).
     """
 
-    src: Int[Array, " Tv"]  # token read by each re-laid position (any token where not valid)
-    valid: Bool[Array, " Tv"]  # re-laid positions that hold a token (else a zero token)
-    pos: Int[Array, " T"]  # re-laid position of each token
+    chunk_src: Int[Array, " Nc"]  # the caller's token read by each chunk's first row
+    chunk_len: Int[Array, " Nc"]  # rows of each chunk that hold a token (the rest: zero tokens)
     chunk_seq: Int[Array, " Nc"]  # sequence of each chunk
     chunk_first: Bool[Array, " Nc"]  # chunk is its sequence's first: entry state is h0[n]
     chunk_last: Bool[Array, " Nc"]  # chunk is its sequence's last: exit state is h_final[n]
     empty: Bool[Array, " N"]  # sequences of length 0 (h_final = h0)
+    n_used: Int[Array, ""]  # chunks that hold a sequence
 
     @classmethod
     def build(cls, cu_seqlens: Int[Array, " N1"], seq_len: int, bt: int, n_chunks: int):
@@ -67,32 +75,22 @@ class VarlenLayout:
         n_seqs = cu.shape[0] - 1
         lens = cu[1:] - cu[:-1]  # [N]
         chunks = (lens + bt - 1) // bt  # [N] chunks per sequence
-        start = bt * jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(chunks)])  # [N+1]
-        # Token t is in the last sequence n with cu[n] <= t (later empty sequences share cu[n]).
-        t = jnp.arange(seq_len, dtype=jnp.int32)  # [T]
-        seq_of_t = jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, n_seqs - 1)  # [T]
-        pos = start[seq_of_t] + t - cu[seq_of_t]  # [T]
-        # Chunk c belongs to the last sequence n with start[n] <= c C (skipping empty ones).
-        c0 = bt * jnp.arange(n_chunks, dtype=jnp.int32)  # [Nc] first position of each chunk
-        used = c0 < start[-1]  # [Nc] chunks that hold a sequence
-        seq_of_c = jnp.clip(jnp.searchsorted(start, c0, side="right") - 1, 0, n_seqs - 1)
-        first = used & (c0 == start[seq_of_c])  # [Nc]
-        last = used & (c0 + bt == start[seq_of_c + 1])  # [Nc]
-        p = jnp.arange(varlen_length(seq_len, n_seqs, bt), dtype=jnp.int32)  # [Tv]
-        seq_of_p = seq_of_c[p // bt]  # [Tv]
-        offset = p - start[seq_of_p]  # [Tv] position inside its sequence
-        valid = (p < start[-1]) & (offset < lens[seq_of_p])  # [Tv]
-        src = jnp.clip(cu[seq_of_p] + offset, 0, seq_len - 1)  # [Tv]
-        return cls(src, valid, pos, seq_of_c, first, last, lens == 0)
+        first_chunk = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(chunks)])  # [N+1]
+        # Chunk c belongs to the last sequence n with first_chunk[n] <= c (skipping empty ones).
+        c = jnp.arange(n_chunks, dtype=jnp.int32)  # [Nc]
+        used = c < first_chunk[-1]  # [Nc] chunks that hold a sequence
+        seq = jnp.clip(jnp.searchsorted(first_chunk, c, side="right") - 1, 0, n_seqs - 1)  # [Nc]
+        offset = bt * (c - first_chunk[seq])  # [Nc] first row's position inside its sequence
+        src = jnp.where(used, cu[seq] + offset, seq_len)  # [Nc] unused: the zero padding
+        n_rows = jnp.where(used, jnp.minimum(bt, lens[seq] - offset), 0)  # [Nc]
+        first = used & (c == first_chunk[seq])  # [Nc]
+        last = used & (c + 1 == first_chunk[seq + 1])  # [Nc]
+        return cls(src, n_rows, seq, first, last, lens == 0, first_chunk[-1])
 
-    def gather_in(self, x: Float[Array, "1 T H d"]) -> Float[Array, "1 Tv H d"]:
-        """x in the re-laid row, zero tokens in the gaps."""
-        xs = jnp.take(x[0], self.src, axis=0)  # [Tv, H, d]
-        return jnp.where(self.valid[:, None, None], xs, jnp.zeros((), x.dtype))[None]
-
-    def gather_out(self, x: Float[Array, "1 Tp H d"]) -> Float[Array, "1 T H d"]:
-        """Back from the re-laid row (``Tp >= Tv``: trailing padding ignored)."""
-        return jnp.take(x[0], self.pos, axis=0)[None]  # [1, T, H, d]
+    def group_used(self, i, group: int) -> Bool[Array, ""]:
+        """Whether group ``i`` of ``group`` chunks holds any sequence (a group of zero tokens
+        only, past the last sequence, leaves the state as it is and is skipped)."""
+        return i * group < self.n_used
 
     def group(self, i, group: int) -> ChunkResets:
         """The chunk-level resets of group ``i`` of ``group`` chunks."""
@@ -101,6 +99,46 @@ class VarlenLayout:
             return lax.dynamic_slice_in_dim(x, i * group, group)  # [G]
 
         return ChunkResets(sl(self.chunk_seq), sl(self.chunk_first), sl(self.chunk_last))
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenRows:
+    """Group I/O for a cu_seqlens row, in the caller's layout (the counterpart of
+    :class:`gdn2_jax_ref.chunk.PlainRows`): a group's rows are gathered from, and scattered to,
+    their tokens; rows past a sequence's end read as zero tokens and are dropped when written."""
+
+    layout: VarlenLayout
+    blk: Blocking
+
+    def pad(self, x: Float[Array, "1 T H d"]) -> Float[Array, "1 T H d"]:
+        """Nothing to pad: the rows index the caller's tokens."""
+        return x
+
+    def _tokens(self, i, seq_len: int) -> tuple[Int[Array, "G C"], Bool[Array, "G C"]]:
+        """The token of every row of group ``i``; rows without one get distinct indices past
+        the row (so the indices of a group are unique)."""
+        G, C = self.blk.group, self.blk.bt
+        src = lax.dynamic_slice_in_dim(self.layout.chunk_src, i * G, G)  # [G]
+        n_rows = lax.dynamic_slice_in_dim(self.layout.chunk_len, i * G, G)  # [G]
+        row = jnp.arange(C, dtype=jnp.int32)  # [C]
+        keep = row < n_rows[:, None]  # [G, C]
+        past = seq_len + C * jnp.arange(G, dtype=jnp.int32)[:, None] + row  # [G, C]
+        return jnp.where(keep, src[:, None] + row, past), keep  # [G, C]
+
+    def load(self, x: Float[Array, "1 T H d"], i, dtype) -> Float[Array, "G 1 H C d"]:
+        """Group ``i`` in chunk layout, zero tokens past each sequence's end."""
+        tok, keep = self._tokens(i, x.shape[1])  # [G, C]
+        rows = jnp.take(x[0], tok, axis=0, mode="fill", fill_value=0)  # [G, C, H, d]
+        rows = jnp.where(keep[:, :, None, None], rows, jnp.zeros((), x.dtype))  # [G, C, H, d]
+        return jnp.transpose(rows.astype(dtype), (0, 2, 1, 3))[:, None]  # [G, 1, H, C, d]
+
+    def store(
+        self, buf: Float[Array, "1 T H d"], x: Float[Array, "G 1 H C d"], i
+    ) -> Float[Array, "1 T H d"]:
+        """Write the token rows of group ``i`` into ``buf`` (the other rows are dropped)."""
+        tok, _ = self._tokens(i, buf.shape[1])  # [G, C]
+        rows = jnp.transpose(x[:, 0], (0, 2, 1, 3)).astype(buf.dtype)  # [G, C, H, d]
+        return buf.at[0, tok].set(rows, mode="drop", unique_indices=True)  # [1, T, H, d]
 
 
 @functools.partial(

@@ -16,8 +16,8 @@ import functools
 import jax
 from jaxtyping import Array, Float, Int
 
-from gdn2_jax_ref.backward import gdn2_chunk_backward, gdn2_varlen_backward
-from gdn2_jax_ref.forward import gdn2_chunk_forward, gdn2_varlen_forward
+from gdn2_jax_ref.backward import gdn2_chunk_backward
+from gdn2_jax_ref.forward import gdn2_chunk_forward
 from gdn2_jax_ref.params import ChunkParams
 
 
@@ -60,41 +60,34 @@ def gdn2_chunk_trainable(
 
     Packed sequences: ``segment_ids`` (see :func:`gdn2_jax_ref.forward.gdn2_chunk_forward`) or
     ``cu_seqlens`` (B = 1, h0 and h_final ``(N, H, K, V)``, see
-    :func:`gdn2_jax_ref.forward.gdn2_varlen_forward`), not both.
+    :mod:`gdn2_jax_ref.varlen`), not both.
     """
-    if cu_seqlens is None:
-        o, h_final, _ = gdn2_chunk_forward(q, k, v, w, b, g, h0, params, segment_ids=segment_ids)
-    else:
-        o, h_final, _ = gdn2_varlen_forward(q, k, v, w, b, g, h0, cu_seqlens, params)
+    o, h_final, _ = gdn2_chunk_forward(
+        q, k, v, w, b, g, h0, params, segment_ids=segment_ids, cu_seqlens=cu_seqlens
+    )
     return o, h_final
 
 
 def _fwd(q, k, v, w, b, g, h0, params, segment_ids=None, cu_seqlens=None):
-    if cu_seqlens is None:
-        o, h_final, states = gdn2_chunk_forward(
-            q, k, v, w, b, g, h0, params, keep_states=True, segment_ids=segment_ids
-        )
-        seq_h0 = None  # the first group-entry state is h0
-    else:
-        o, h_final, states = gdn2_varlen_forward(
-            q, k, v, w, b, g, h0, cu_seqlens, params, keep_states=True
-        )
-        seq_h0 = h0
+    o, h_final, states = gdn2_chunk_forward(
+        *(q, k, v, w, b, g, h0, params),
+        keep_states=True,
+        segment_ids=segment_ids,
+        cu_seqlens=cu_seqlens,
+    )
+    seq_h0 = None if cu_seqlens is None else h0  # else the first group-entry state is h0
     res = Residuals(q, k, v, w, b, g, states, segment_ids, cu_seqlens, seq_h0, h0.dtype.name)
     return (o, h_final), res
 
 
 def _bwd(params, res: Residuals, cotangents):
     do, dh_final = cotangents
-    inputs = (res.q, res.k, res.v, res.w, res.b, res.g)
-    if res.cu_seqlens is None:
-        *grads, dh0 = gdn2_chunk_backward(
-            *inputs, res.states, do, dh_final, params, segment_ids=res.segment_ids
-        )
-    else:
-        *grads, dh0 = gdn2_varlen_backward(
-            *inputs, res.h0, res.cu_seqlens, res.states, do, dh_final, params
-        )
+    *grads, dh0 = gdn2_chunk_backward(
+        *(res.q, res.k, res.v, res.w, res.b, res.g, res.states, do, dh_final, params),
+        segment_ids=res.segment_ids,
+        cu_seqlens=res.cu_seqlens,
+        h0=res.h0,
+    )
     return (*grads, dh0.astype(res.h0_dtype), None, None)
 
 
