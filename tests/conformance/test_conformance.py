@@ -1,7 +1,9 @@
 """gdn2's own backends through the conformance kit (gdn2core.testing): one line per target.
 
 The cases, tolerances (with their reasons) and checks live in the kit, so that these targets and
-a third party's backend (``gdn2 conformance NAME``) are held to the same suite.
+a third party's backend (``gdn2 conformance NAME``) are held to the same suite. A target claims
+what its backend declares (``features=None``); an explicit claim never includes packed sequences
+the backend does not declare (``Capabilities.segments`` / ``varlen``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ class TestScanBaseline(ConformanceSuite):
 class TestPallasTpuInterpret(ConformanceSuite):
     """The Pallas TPU kernels on the CPU in TPU interpret mode (``pltpu.InterpretParams()``); the
     same kernels are compiled for real TPU targets in tests/pallas_tpu/test_compile.py. No float64
-    (not a capability)."""
+    (not a capability); vmap claimed although interpret mode (the kernels fold vmap into the batch
+    axis)."""
 
     targets = (
         Target(

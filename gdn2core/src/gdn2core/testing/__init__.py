@@ -9,37 +9,56 @@ from gdn2core.testing.backends import ReferenceBackend
 from gdn2core.testing.checks import (
     check_central_differences,
     cotangent_loss,
+    op_function,
     outputs_and_grads,
     reference,
     reference_outputs_and_grads,
+)
+from gdn2core.testing.feature_inputs import (
+    FeatureCase,
+    GateHeads,
+    activate_numpy,
+    make_feature_arrays,
+    make_feature_inputs,
 )
 from gdn2core.testing.inputs import (
     ARG_NAMES,
     GRAD_NAMES,
     INPUT_NAMES,
+    PARAM_NAMES,
     Case,
     Decay,
     Inputs,
     make_arrays,
     make_inputs,
 )
-from gdn2core.testing.metrics import TOLERANCES, Quantity, quantity, rel_err, tolerance
-from gdn2core.testing.suite import (
+from gdn2core.testing.metrics import (
+    TOLERANCES,
+    Quantity,
+    assert_close,
+    quantity,
+    rel_err,
+    tolerance,
+)
+from gdn2core.testing.suite import ConformanceSuite
+from gdn2core.testing.target import (
     CASES,
+    GATED_FEATURES,
     SMALL_CONFIG,
     CaseSpec,
-    ConformanceSuite,
     Feature,
     Target,
-    assert_close,
     capability,
+    declared_features,
 )
 
 __all__ = [
     "ARG_NAMES",
     "CASES",
+    "GATED_FEATURES",
     "GRAD_NAMES",
     "INPUT_NAMES",
+    "PARAM_NAMES",
     "SMALL_CONFIG",
     "TOLERANCES",
     "Case",
@@ -47,16 +66,23 @@ __all__ = [
     "ConformanceSuite",
     "Decay",
     "Feature",
+    "FeatureCase",
+    "GateHeads",
     "Inputs",
     "Quantity",
     "ReferenceBackend",
     "Target",
+    "activate_numpy",
     "assert_close",
     "capability",
     "check_central_differences",
     "cotangent_loss",
+    "declared_features",
     "make_arrays",
+    "make_feature_arrays",
+    "make_feature_inputs",
     "make_inputs",
+    "op_function",
     "outputs_and_grads",
     "quantity",
     "reference",

@@ -62,7 +62,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if targets is None:
         targets = _option_targets(metafunc.config)
     feature = getattr(metafunc.function, "gdn2_feature", None)
-    chosen = [t for t in targets if feature is None or feature in t.features]
+    required = getattr(
+        metafunc.function, "gdn2_requires", frozenset() if feature is None else {feature}
+    )
+    chosen = [t for t in targets if required <= t.claimed()]
     with_case = "gdn2_case" in metafunc.fixturenames
     names = ("gdn2_target", "gdn2_case") if with_case else ("gdn2_target",)
     if with_case:
@@ -140,7 +143,8 @@ class _Recorder:
                     parts.append(f"{feature} {verdict} ({passed}/{passed + failed} passed)")
             if not parts:
                 continue
-            absent = [str(f) for f in Feature if f not in target.features]
+            claimed = target.claimed()
+            absent = [str(f) for f in Feature if f not in claimed]
             line = f"{tid}: " + ", ".join(parts)
             if absent:
                 line += f"; not claimed: {', '.join(absent)}"

@@ -10,14 +10,15 @@ A project runs it on its own targets with one-line subclasses::
 
 Adding a case is one line in :data:`CASES`; adding a capability is one :class:`Feature` member
 and the tests tagged with it (``@capability(Feature.X)``). A target that lacks a feature does not
-run its tests (they are deselected, not skipped) and the summary lists it as not claimed.
+run its tests (they are deselected, not skipped) and the summary lists it as not claimed. The
+targets, features and cases are in :mod:`gdn2core.testing.target`; the tests of the model
+features (grouped value heads, fused activations, packed sequences) in
+:mod:`gdn2core.testing.feature_suite`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
-from collections.abc import Callable
 from typing import ClassVar
 
 import jax
@@ -25,194 +26,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdn2core.api import gdn2_forward, gdn2_forward_trainable
-from gdn2core.config import DEFAULT_CONFIG, KernelConfig
-from gdn2core.platform import default_platform
-from gdn2core.spec import OpSpec
 from gdn2core.testing.checks import (
     check_central_differences,
     cotangent_loss,
     outputs_and_grads,
     reference_outputs_and_grads,
 )
+from gdn2core.testing.feature_suite import FeatureTests
 from gdn2core.testing.inputs import GRAD_NAMES, Case, Decay, Inputs, make_inputs
-from gdn2core.testing.metrics import rel_err, tolerance
+from gdn2core.testing.metrics import assert_close, rel_err
 from gdn2core.testing.numpy_ref import gated_deltanet_numpy_loop, kda_numpy_loop
-
-#: Small chunks: several chunks at tiny T, fast on a CPU.
-SMALL_CONFIG = KernelConfig(bt=16, bc=8, mb=4)
-
-
-class Feature(enum.StrEnum):
-    """A capability the suite checks; a target claims the ones its backend has."""
-
-    FORWARD = "forward"  # float32 o and h_final; the KDA and Gated DeltaNet reductions
-    TRAINABLE = "trainable"  # float32 gradients of all seven arguments
-    BFLOAT16 = "bfloat16"  # bfloat16 inputs against float32 arithmetic on the same values
-    FLOAT64 = "float64"  # float64 outputs and central-difference gradients
-    VMAP = "vmap"  # jit(vmap(...)) and grad of the call compose
-
-
-def capability(feature: Feature) -> Callable:
-    """Tag a suite test with the feature it checks.
-
-    Args:
-        feature: the feature.
-
-    Returns:
-        A decorator that records ``feature`` on the test function.
-    """
-
-    def tag(fn):
-        fn.gdn2_feature = feature
-        return fn
-
-    return tag
-
-
-@dataclasses.dataclass(frozen=True)
-class CaseSpec:
-    """A case relative to a target: its length from the chunk length C, its head sizes by index
-    into the target's ``head_sizes``. ``quick``: also in the subset of a quick target."""
-
-    id: str
-    T: Callable[[int], int]
-    heads: int = 0
-    B: int = 1
-    H: int = 1
-    h0: bool = True
-    b_max: float = 1.0
-    decay: Decay = Decay.MIXED
-    seed: int = 0
-    quick: bool = False
-
-    def build(self, target: Target) -> Case:
-        """The concrete :class:`Case` for ``target``."""
-        sizes = target.head_sizes
-        dk, dv = sizes[min(self.heads, len(sizes) - 1)]
-        return Case(
-            B=self.B, T=self.T(target.config.bt), H=self.H, dk=dk, dv=dv, h0=self.h0,
-            b_max=self.b_max, decay=self.decay, seed=self.seed,
-        )  # fmt: skip
-
-
-#: T below one chunk, T = 1, T not a multiple of the chunk; dk != dv both ways; with and without
-#: h0; b in (0, 1) and (0, 2) (negative eigenvalues); weak, mixed and strong (g = -30) decay.
-CASES: tuple[CaseSpec, ...] = (
-    CaseSpec("chunks", lambda C: 2 * C + 3, B=2, H=2, b_max=2.0, seed=1, quick=True),
-    CaseSpec("strong", lambda C: 2 * C + 1, heads=1, decay=Decay.STRONG, seed=2, quick=True),
-    CaseSpec("short", lambda C: max(1, C // 2 - 1), H=2, h0=False, decay=Decay.WEAK, seed=3),
-    CaseSpec("one-token", lambda C: 1, heads=1, seed=4),
-    CaseSpec(
-        "tall", lambda C: C + 5, heads=2, H=2, h0=False, b_max=2.0, decay=Decay.STRONG, seed=5
-    ),
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """A backend as the suite runs it: the config, head sizes and claimed features.
-
-    Attributes:
-        backend: the backend name.
-        config: the kernel config of every call.
-        head_sizes: ``(dk, dv)`` pairs; the first square, then dk < dv, then dk > dv.
-        features: the features the backend claims.
-        quick: run only the cases marked quick (for expensive targets).
-        name: the test-id prefix (default: the backend name).
-    """
-
-    backend: str
-    config: KernelConfig = SMALL_CONFIG
-    head_sizes: tuple[tuple[int, int], ...] = ((8, 8), (8, 12), (12, 6))
-    features: frozenset[Feature] = frozenset(Feature)
-    quick: bool = False
-    name: str = ""
-
-    @property
-    def id(self) -> str:
-        """The test-id prefix."""
-        return self.name or self.backend
-
-    def cases(self) -> list[Case]:
-        """The concrete cases of this target."""
-        return [spec.build(self) for spec in CASES if spec.quick or not self.quick]
-
-    @classmethod
-    def for_backend(cls, name: str) -> Target:
-        """The target of an installed backend, derived from its declared capabilities.
-
-        Head sizes: the two smallest declared key and value sizes (8 and 12 when any size
-        goes); config: the first of :data:`CONFIG_CANDIDATES` the backend accepts, in interpret
-        mode when this host is not one of its platforms and it supports that; features: from the
-        declared dtypes and trainability (vmap is not claimed in interpret mode: JAX's TPU
-        interpret mode does not batch a ``pallas_call``).
-
-        Args:
-            name: the backend name.
-
-        Returns:
-            The target.
-
-        Raises:
-            BackendNotFoundError: the backend is not installed.
-            ValueError: no candidate config is accepted here (the message says why).
-        """
-        from gdn2core.registry import get_backend
-        from gdn2core.verdict import verdict
-
-        backend = get_backend(name)
-        caps = backend.capabilities
-        ks = sorted(caps.dk) if caps.dk else [8, 12]
-        k0, k1 = ks[0], ks[min(1, len(ks) - 1)]
-        if caps.dv:
-            vs = sorted(caps.dv)
-            v0, v1 = vs[0], vs[min(1, len(vs) - 1)]
-            square = (k0, k0 if k0 in vs else v0)
-        else:
-            v0, v1 = max(1, k1 // 2), k0 + 4
-            square = (k0, k0)
-        heads = tuple(dict.fromkeys((square, (k0, v1), (k1, v0))))
-        here = default_platform()
-        interpret = here not in caps.platforms and caps.interpret
-        dtype = "float32" if "float32" in caps.dtypes else caps.dtypes[0]
-        spec = OpSpec(1, 16, 1, heads[0][0], heads[0][1], dtype, 1.0)
-        reasons = []
-        for candidate in CONFIG_CANDIDATES:
-            config = candidate.model_copy(update={"interpret": interpret})
-            answer = verdict(backend, spec, config, trainable=False, auto=False, platform=here)
-            if answer:
-                break
-            reasons.append(f"bt={config.bt} bc={config.bc} mb={config.mb}: {answer.reason}")
-        else:
-            raise ValueError(f"gdn2 backend {name!r} accepts no config here: {'; '.join(reasons)}")
-        features = {Feature.FORWARD}
-        features |= {Feature.TRAINABLE} if caps.trainable else set()
-        features |= {Feature.BFLOAT16} if "bfloat16" in caps.dtypes else set()
-        features |= {Feature.FLOAT64} if "float64" in caps.dtypes else set()
-        features |= set() if interpret else {Feature.VMAP}
-        return cls(name, config, heads, frozenset(features))
-
-
-#: Configs :meth:`Target.for_backend` tries, in order.
-CONFIG_CANDIDATES: tuple[KernelConfig, ...] = (
+from gdn2core.testing.target import (
+    CASES,
+    CONFIG_CANDIDATES,
     SMALL_CONFIG,
-    KernelConfig(bt=16, bc=8, mb=8),
-    DEFAULT_CONFIG,
+    CaseSpec,
+    Feature,
+    Target,
+    capability,
 )
-
-
-def assert_close(name: str, actual, expected, dtype: str) -> None:
-    """Fail, naming the array, the error and the tolerance, when ``actual`` is off.
-
-    Args:
-        name: the array's label (``"o"``, ``"h_final"``, ``"dq"``...).
-        actual: the backend's array.
-        expected: the reference's.
-        dtype: the input dtype of the call (selects the tolerance).
-    """
-    assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
-    err, tol = rel_err(actual, expected), tolerance(dtype, name, default_platform())
-    assert err <= tol, f"{name}: relative error {err:.2e} > tolerance {tol:.0e} ({dtype})"
 
 
 def _check_forward(target: Target, x: Inputs, dtype: str) -> None:
@@ -296,7 +128,7 @@ def _forget_inputs(target: Target) -> list[tuple[Inputs, np.ndarray | None]]:
     ]
 
 
-class ConformanceSuite:
+class ConformanceSuite(FeatureTests):
     """The suite's tests. Subclass it with ``targets`` set (or leave None: the targets of
     ``--gdn2-backend``); the gdn2 pytest plugin parametrizes every test over them."""
 
@@ -317,7 +149,7 @@ class ConformanceSuite:
         """bfloat16 inputs against float32 arithmetic on the same bfloat16 values."""
         x = make_inputs(gdn2_case).astype(jnp.bfloat16)
         _check_forward(gdn2_target, x, "bfloat16")
-        if Feature.TRAINABLE in gdn2_target.features:
+        if Feature.TRAINABLE in gdn2_target.claimed():
             _check_grads(gdn2_target, x, "bfloat16")
 
     @capability(Feature.FLOAT64)
@@ -327,7 +159,7 @@ class ConformanceSuite:
         case = CASES[1].build(gdn2_target)  # strong decay, dk != dv, h0
         x = make_inputs(case, jnp.float64)
         _check_forward(gdn2_target, x, "float64")
-        if Feature.TRAINABLE not in gdn2_target.features:
+        if Feature.TRAINABLE not in gdn2_target.claimed():
             return
         fn = _trainable(gdn2_target)
 
@@ -363,7 +195,7 @@ class ConformanceSuite:
             for s in (0, 1, 2)
         ]
         stacked = [jnp.stack([(*x.args, x.h0)[i] for x in xs]) for i in range(7)]
-        trainable = Feature.TRAINABLE in gdn2_target.features
+        trainable = Feature.TRAINABLE in gdn2_target.claimed()
         op = gdn2_forward_trainable if trainable else gdn2_forward
 
         def run(q, k, v, w, b, g, h0):
