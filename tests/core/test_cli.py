@@ -17,6 +17,8 @@ def test_info_lists_every_backend_with_its_verdict_here(capsys, monkeypatch):
     assert rows["pallas_tpu"] == ["0.1.0", "ok", "200", "no", "(1)"]
     assert rows["jax_ref"] == ["0.1.0", "ok", "100", "yes", "yes"]
     assert rows["scan_baseline"][3:] == ["yes", "no"]
+    scan_row = next(ln for ln in out.splitlines() if ln.startswith("scan_baseline"))
+    assert scan_row.rstrip().endswith("features: segment_ids, cu_seqlens")  # the capability flags
     assert (
         "pallas_tpu (gdn2-pallas-tpu): (1) runs on tpu, this call on cpu; KernelConfig(interpret=True)"
         in out

@@ -200,3 +200,117 @@ def test_donated_pool_is_updated_without_a_copy():
 def test_init_state_pool():
     pool = gdn2core.init_state_pool(3, 4, 8, 16, jnp.bfloat16)
     assert pool.shape == (3, 4, 8, 16) and pool.dtype == jnp.bfloat16 and not pool.any()
+
+
+#: The fused activations of the chunked op, every option in two calls (as the kit's feature
+#: suite): softplus gate with the L2 norm and sigmoids; the bounded gate with negative eigenvalues.
+ACTIVATIONS = [
+    dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_bw_sigmoid_in_kernel=True),
+    dict(
+        use_gate_in_kernel=True, lower_bound=-3.0, use_bw_sigmoid_in_kernel=True,
+        allow_neg_eigval=True,
+    ),
+]  # fmt: skip
+
+
+def _gate_params(kw, heads, dk, seed):
+    """``A_log (Hg,)`` and, for the softplus gate, ``dt_bias (Hg, dk)``."""
+    rng = np.random.default_rng(seed)
+    params = {"A_log": jnp.asarray(rng.uniform(-1.0, 1.0, heads), jnp.float32)}
+    if kw.get("use_gate_in_kernel") and kw.get("lower_bound") is None:
+        params["dt_bias"] = jnp.asarray(rng.normal(size=(heads, dk)), jnp.float32)
+    return params
+
+
+@pytest.mark.parametrize("kw", ACTIVATIONS, ids=["softplus", "lower-bound"])
+@pytest.mark.parametrize("case", GVA_CASES[1:], ids=lambda c: c.id)
+def test_decode_applies_the_fused_activations(case, kw):
+    """gdn2_decode with the fused-activation keywords on raw inputs against the token-serial
+    reference of the chunked op (which applies them token by token, independently of the core's
+    XLA path) from the same states: float32, 1e-5 relative (the kit's decode tolerance; the two
+    differ by float32 rounding only, a missing or misplaced activation is O(1))."""
+    x = make_decode_inputs(case)
+    params = _gate_params(kw, x.b.shape[2], case.dk, case.seed)
+    o, pool = gdn2_decode(
+        *x.args, x.state, state_indices=x.state_indices, backend="jax_ref", **kw, **params
+    )
+    slots = np.arange(case.N) if x.state_indices is None else np.asarray(x.state_indices)
+    with jax.default_matmul_precision("highest"):
+        o_ref, h_ref = gdn2core.gdn2_token_serial_reference(
+            *x.args, h0=x.state[slots], **kw, **params
+        )
+        o_plain, _ = gdn2_decode(*x.args, x.state, state_indices=x.state_indices)
+    assert rel_err(o, o_ref) <= 1e-5
+    assert rel_err(pool[slots], h_ref) <= 1e-5
+    assert rel_err(o_plain, o_ref) > 1e-2  # the activations change the result
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        (dict(use_gate_in_kernel=True), r"A_log: expected an array of shape \(Hg,\) = \(2,\)"),
+        (dict(A_log=jnp.zeros(2)), r"A_log: given but use_gate_in_kernel=False"),
+        (
+            dict(use_gate_in_kernel=True, A_log=jnp.zeros(4), dt_bias=jnp.zeros((2, 8))),
+            r"A_log: expected shape \(Hg,\) = \(2,\)",
+        ),
+        (
+            dict(use_gate_in_kernel=True, lower_bound=-1.0, A_log=jnp.zeros(2),
+                 dt_bias=jnp.zeros((2, 8))),
+            r"dt_bias: given with lower_bound",
+        ),
+        (dict(lower_bound=-1.0), r"lower_bound"),
+        (dict(allow_neg_eigval=True), r"allow_neg_eigval"),
+    ],
+)  # fmt: skip
+def test_bad_activation_arguments_name_the_argument(x, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _call(x, **kw)
+    with pytest.raises(ValueError, match=match):
+        which_decode_backend(*x.args, x.state, state_indices=x.state_indices, **kw)
+
+
+def _forward_inputs(B, T, H, HV, Hg, dk, dv, seed):
+    rng = np.random.default_rng(seed)
+
+    def arr(*shape, lo=-1.0, hi=1.0):
+        return jnp.asarray(rng.uniform(lo, hi, shape), jnp.float32)
+
+    q, k = arr(B, T, H, dk), arr(B, T, H, dk)
+    v, w = arr(B, T, HV, dv), arr(B, T, HV, dv, lo=0.0)
+    b, g = arr(B, T, Hg, dk, lo=0.0), arr(B, T, Hg, dk, lo=-2.0, hi=0.0)
+    return (q, k, v, w, b, g), arr(B, HV, dk, dv)
+
+
+@pytest.mark.parametrize("Hg", [1, 2], ids=["gates-per-key-head", "gates-per-value-head"])
+def test_chunk_states_with_grouped_heads_and_activations(Hg):
+    """return_chunk_states with GVA (HV = 2 H; b, g on key heads: the backend runs dv' = 2 dv, on
+    value heads: q, k repeated) and fused activations: o, h_final and every chunk-entry state
+    against the token-serial reference (the state after the first i * bt tokens, from the
+    reference's h_final over those tokens): float32, 1e-5 relative."""
+    args, h0 = _forward_inputs(2, 11, 1, 2, Hg, 8, 4, seed=Hg)
+    kw = dict(ACTIVATIONS[0], **_gate_params(ACTIVATIONS[0], Hg, 8, seed=5))
+    config = KernelConfig(bt=4, bc=2, mb=2)
+    o, h, chunks = gdn2_forward(
+        *args, h0=h0, config=config, backend="jax_ref", return_chunk_states=True, **kw
+    )
+    assert chunks.shape == (2, 3, 2, 8, 4) and chunks.dtype == jnp.float32
+    with jax.default_matmul_precision("highest"):
+        o_ref, h_ref = gdn2core.gdn2_token_serial_reference(*args, h0=h0, **kw)
+        assert rel_err(o, o_ref) <= 1e-5 and rel_err(h, h_ref) <= 1e-5
+        np.testing.assert_array_equal(chunks[:, 0], h0)
+        for i in (1, 2):
+            prefix = [a[:, : 4 * i] for a in args]
+            _, h_i = gdn2core.gdn2_token_serial_reference(*prefix, h0=h0, **kw)
+            assert rel_err(chunks[:, i], h_i) <= 1e-5, i
+
+
+def test_chunk_states_are_refused_with_packed_sequences():
+    args, _ = _forward_inputs(1, 8, 1, 1, 1, 8, 8, seed=0)
+    ids = jnp.asarray([[0, 0, 0, 1, 1, 1, 1, 1]])
+    with pytest.raises(ValueError, match=r"return_chunk_states: expected a call without packed"):
+        gdn2_forward(*args, backend="jax_ref", segment_ids=ids, return_chunk_states=True)
+    with pytest.raises(ValueError, match=r"return_chunk_states: expected a call without packed"):
+        gdn2_forward(
+            *args, backend="jax_ref", cu_seqlens=jnp.asarray([0, 3, 8]), return_chunk_states=True
+        )

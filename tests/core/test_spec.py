@@ -40,12 +40,12 @@ def test_spec_from_valid_inputs():
         (
             2,
             (B, T + 1, H, DV),
-            r"v: expected shape \(B, T, H, dv\) = \(2, 5, 3, 6\), got \(2, 6, 3, 6\)",
+            r"v: expected shape \(B, T, HV, dv\) = \(2, 5, 3, 6\), got \(2, 6, 3, 6\)",
         ),
         (
             3,
             (B, T, H, DV - 1),
-            r"w: expected shape \(B, T, H, dv\) = \(2, 5, 3, 6\), got \(2, 5, 3, 5\)",
+            r"w: expected shape \(B, T, HV, dv\) = \(2, 5, 3, 6\), got \(2, 5, 3, 5\)",
         ),
         (4, (B, T, H + 1, DK), r"b: expected shape \(B, T, H, dk\)"),
         (

@@ -12,6 +12,7 @@ Errors are ``rel = max|actual - expected| / max|expected|`` (tests.support.input
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -70,7 +71,8 @@ def with_g(inp: Inputs, g) -> Inputs:
 
 def in_float64(inp: Inputs) -> Inputs:
     """The same values in float64 (so the reference sees exactly the float32 inputs)."""
-    return Inputs(**{n: getattr(inp, n).astype(jnp.float64) for n in inp.__dict__})
+    arrays = {n: x.astype(jnp.float64) for n, x in inp.__dict__.items() if isinstance(x, jax.Array)}
+    return dataclasses.replace(inp, **arrays)
 
 
 def all_finite(*xs) -> bool:

@@ -1,8 +1,10 @@
 """Multi-device sharding tests.
 
-The checks in ``md_sharding.py`` need 8 devices, and XLA's device count is fixed when JAX starts,
-while the rest of the suite runs in one process with one CPU device: so they run in a child
-process started with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (about 1-2 minutes).
+The checks in ``md_sharding.py`` and ``md_features.py`` (packed sequences, GVA and fused
+activations under batch/head sharding and context parallelism) need 8 devices, and XLA's device
+count is fixed when JAX starts, while the rest of the suite runs in one process with one CPU
+device: so they run in a child process started with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (about 2-3 minutes).
 The deviceless TPU compile of the sharded train step is in tests/tools/test_reports.py.
 """
 
@@ -34,6 +36,7 @@ def test_eight_simulated_devices():
         "-p",
         "no:cacheprovider",
         str(HERE / "md_sharding.py"),
+        str(HERE / "md_features.py"),
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     tail = (proc.stdout[-8000:] + "\n" + proc.stderr[-4000:]).strip()

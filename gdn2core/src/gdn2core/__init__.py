@@ -33,7 +33,7 @@ from gdn2core.registry import (
     unregister_backend,
 )
 from gdn2core.selection import resolve_backend
-from gdn2core.spec import OpSpec
+from gdn2core.spec import Activations, GateMode, OpExtras, OpSpec, SegmentMode
 
 __version__ = "0.1.0"
 
@@ -43,14 +43,18 @@ __all__ = [
     "KAGGLE_MEDIUM",
     "KAGGLE_SMALL",
     "PRESETS",
+    "Activations",
     "Backend",
     "BackendInfo",
     "BackendNotFoundError",
     "BackendUnsupportedError",
     "Capabilities",
     "DecodeSpec",
+    "GateMode",
     "KernelConfig",
+    "OpExtras",
     "OpSpec",
+    "SegmentMode",
     "Verdict",
     "estimate_memory",
     "gdn2_decode",

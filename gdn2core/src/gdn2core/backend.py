@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from gdn2core.config import KernelConfig
 from gdn2core.decode_spec import DecodeSpec
-from gdn2core.spec import SUPPORTED_DTYPES, OpSpec
+from gdn2core.spec import SUPPORTED_DTYPES, OpExtras, OpSpec, SegmentMode
 
 Platform = Literal["cpu", "gpu", "tpu"]
 DType = Literal["float32", "bfloat16", "float64"]
@@ -41,6 +41,10 @@ class Capabilities(BaseModel):
             which run only when named).
         interpret: whether ``KernelConfig(interpret=True)`` runs its kernels off ``platforms`` (for
             example Pallas TPU kernels in interpret mode on a CPU); named calls only.
+        segments: it takes ``extras.segment_ids`` (packed sequences, resets inside a row).
+        varlen: it takes ``extras.cu_seqlens`` (B = 1, h0 and h_final per sequence).
+        fused_activations: it applies ``spec.activations`` itself to the raw inputs (with
+            ``extras.A_log`` / ``extras.dt_bias``); otherwise the core applies them in XLA first.
         decode: whether it implements :meth:`Backend.decode` (:func:`gdn2core.gdn2_decode`).
         chunk_states: whether it implements :meth:`Backend.forward_chunk_states`
             (``gdn2_forward(..., return_chunk_states=True)``).
@@ -55,6 +59,9 @@ class Capabilities(BaseModel):
     platforms: tuple[Platform, ...] = Field(PLATFORMS, min_length=1)
     auto: bool = True
     interpret: bool = False
+    segments: bool = False
+    varlen: bool = False
+    fused_activations: bool = False
     decode: bool = False
     chunk_states: bool = False
 
@@ -73,6 +80,14 @@ class Capabilities(BaseModel):
             return Verdict(False, f"dk={spec.dk} not in {self.dk}")
         if self.dv is not None and spec.dv not in self.dv:
             return Verdict(False, f"dv={spec.dv} not in {self.dv}")
+        if isinstance(spec, DecodeSpec):  # a decode call has no packed sequences
+            return YES
+        if spec.segments == SegmentMode.IDS and not self.segments:
+            return Verdict(False, "segment_ids: packed sequences not supported (segments=False)")
+        if spec.segments == SegmentMode.CU_SEQLENS and not self.varlen:
+            return Verdict(
+                False, "cu_seqlens: variable-length sequences not supported (varlen=False)"
+            )
         return YES
 
     def describe(self) -> str:
@@ -95,6 +110,16 @@ class Capabilities(BaseModel):
             parts.append(" + ".join(extras))
         if not self.auto:
             parts.append("named only")
+        features = [
+            name
+            for name, on in (
+                ("segment_ids", self.segments),
+                ("cu_seqlens", self.varlen),
+                ("fused activations", self.fused_activations),
+            )
+            if on
+        ]
+        parts.append("features: " + (", ".join(features) if features else "-"))
         return "; ".join(parts)
 
 
@@ -125,6 +150,13 @@ class Backend(abc.ABC):
     ``(B, H, dk, dv)`` (float64 for float64 inputs). They return ``(o, h_final)`` with o in v's
     dtype and h_final in h0's dtype. The core has already checked the capabilities, the platform
     and :meth:`supports` before a method runs.
+
+    Model features (``docs/backends.md``): grouped value heads are resolved by the core (a backend
+    sees ``spec.value_heads == spec.gate_heads == spec.heads``). With packed sequences
+    (``Capabilities.segments`` / ``varlen``) or fused activations (``fused_activations``) the core
+    passes ``extras=`` (an :class:`~gdn2core.spec.OpExtras`); with ``cu_seqlens``, B = 1 and h0,
+    h_final are ``(N, H, dk, dv)``. A plain call never passes ``extras``, so a backend written
+    without it keeps working for plain calls.
     """
 
     name: ClassVar[str]
@@ -156,7 +188,18 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def forward(
-        self, q, k, v, w, b, g, h0, *, spec: OpSpec, config: KernelConfig
+        self,
+        q,
+        k,
+        v,
+        w,
+        b,
+        g,
+        h0,
+        *,
+        spec: OpSpec,
+        config: KernelConfig,
+        extras: OpExtras | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """Inference forward; need not be differentiable.
 
@@ -164,30 +207,59 @@ class Backend(abc.ABC):
             q, k, v, w, b, g, h0: the validated inputs (see the class docstring).
             spec: their spec.
             config: the kernel config.
+            extras: the arrays of the model features (segment_ids, cu_seqlens, A_log, dt_bias);
+                passed only when the call has packed sequences or fused activations.
 
         Returns:
             ``(o, h_final)``.
         """
 
     def forward_trainable(
-        self, q, k, v, w, b, g, h0, *, spec: OpSpec, config: KernelConfig
+        self,
+        q,
+        k,
+        v,
+        w,
+        b,
+        g,
+        h0,
+        *,
+        spec: OpSpec,
+        config: KernelConfig,
+        extras: OpExtras | None = None,
     ) -> tuple[jax.Array, jax.Array]:
-        """Differentiable forward (gradients in all of q, k, v, w, b, g, h0).
+        """Differentiable forward (gradients in all of q, k, v, w, b, g, h0, and in
+        ``extras.A_log`` / ``extras.dt_bias`` when present).
 
         The default differentiates :meth:`forward` with JAX autodiff; a backend with a custom VJP
         overrides it. Arguments and result as for :meth:`forward`.
         """
-        return self.forward(q, k, v, w, b, g, h0, spec=spec, config=config)
+        more = {} if extras is None else {"extras": extras}
+        return self.forward(q, k, v, w, b, g, h0, spec=spec, config=config, **more)
 
     def forward_chunk_states(
-        self, q, k, v, w, b, g, h0, *, spec: OpSpec, config: KernelConfig
+        self,
+        q,
+        k,
+        v,
+        w,
+        b,
+        g,
+        h0,
+        *,
+        spec: OpSpec,
+        config: KernelConfig,
+        extras: OpExtras | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Inference forward that also returns the state entering every chunk of ``config.bt``
         tokens (``gdn2_forward(..., return_chunk_states=True)``). Only called when
-        ``capabilities.chunk_states`` is True.
+        ``capabilities.chunk_states`` is True; never with packed sequences (the core refuses
+        ``return_chunk_states`` with ``segment_ids`` or ``cu_seqlens``).
 
         Args:
             q, k, v, w, b, g, h0, spec, config: as for :meth:`forward`.
+            extras: as for :meth:`forward`: passed only when the backend fuses the activations
+                of the call (``A_log``, ``dt_bias``).
 
         Returns:
             ``(o, h_final, chunk_states)``: chunk_states ``(B, ceil(T / bt), H, dk, dv)`` in h0's

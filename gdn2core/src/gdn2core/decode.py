@@ -12,8 +12,11 @@ The core validates the call (:class:`~gdn2core.decode_spec.DecodeSpec`), resolve
 heads (q, k and H-headed b, g are repeated to the HV value heads: tiny token arrays, while the
 pool, the traffic that bounds a decode step, is untouched), turns the indices into the slots a
 backend receives (:func:`~gdn2core.decode_spec.sanitize_slots`) and runs the backend's
-:meth:`~gdn2core.plugin.Backend.decode`. The fused gate activations and q/k L2 norm of the chunked
-op belong in :func:`_resolve` too: applied there in XLA for backends that do not fuse them.
+:meth:`~gdn2core.plugin.Backend.decode`. The fused activations of the chunked op (gate, q/k L2
+norm, b/w sigmoids; the same keywords as :func:`gdn2core.gdn2_forward`) are applied by the core
+in XLA before the backend's decode (:func:`gdn2core.features.activations.apply_activations`, the
+path of the chunked op for backends that do not fuse them); a decode backend sees activated
+inputs.
 """
 
 from __future__ import annotations
@@ -23,6 +26,12 @@ from jaxtyping import Array, Float, Int
 
 from gdn2core.config import DEFAULT_CONFIG, KernelConfig
 from gdn2core.decode_spec import DecodeSpec, expand_heads, sanitize_slots
+from gdn2core.features.activations import (
+    ACTIVATION_ARGS,
+    activations_of,
+    apply_activations,
+    check_gate_params,
+)
 from gdn2core.platform import call_platform
 from gdn2core.selection import AUTO, resolve_decode_backend
 
@@ -32,17 +41,23 @@ DecodeOut = (
 )
 
 
-def _resolve(q, k, v, w, b, g, state, state_indices, scale, return_token_states, config, backend):
+def _resolve(
+    q, k, v, w, b, g, state, state_indices, scale, return_token_states, config, backend, features
+):
+    """Validate a call and choose its backend: ``(spec, resolved spec, config, activations,
+    backend)``."""
     spec = DecodeSpec.from_inputs(
         q, k, v, w, b, g, state, state_indices, scale, return_token_states
     )
+    activations = activations_of(features)
+    check_gate_params(activations, features["A_log"], features["dt_bias"], spec.gate_heads, spec.dk)
     if config is None:
         config = DEFAULT_CONFIG
     elif not isinstance(config, KernelConfig):
         raise TypeError(f"config: expected a KernelConfig or None, got {type(config).__name__}")
     resolved = spec.resolved()
     chosen = resolve_decode_backend(resolved, config, backend, platform=call_platform(q))
-    return spec, resolved, config, chosen
+    return spec, resolved, config, activations, chosen
 
 
 def gdn2_decode(
@@ -59,6 +74,13 @@ def gdn2_decode(
     return_token_states: bool = False,
     config: KernelConfig | None = None,
     backend: str = AUTO,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: Float[Array, " Hg"] | None = None,
+    dt_bias: Float[Array, "Hg dk"] | None = None,
+    lower_bound: float | None = None,
+    use_bw_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
 ) -> DecodeOut:
     """``S`` new tokens of each of ``N`` sequences against a state pool (inference only).
 
@@ -89,6 +111,12 @@ def gdn2_decode(
         backend: a backend name, or ``"auto"``: the ``GDN2_BACKEND`` environment variable when set,
             else the highest-priority backend with a decode op that would run the call here. A
             named backend never falls back to another one.
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+            use_bw_sigmoid_in_kernel, allow_neg_eigval: the fused activations, as for
+            :func:`gdn2_forward` (``A_log (Hg,)``, ``dt_bias (Hg, dk)``, ``Hg`` the heads of b
+            and g). The core applies them in XLA before the backend's decode, in the state dtype,
+            rounded to the input dtype (as the chunked op does for backends that do not fuse
+            them), so a model calls the chunked op and the decode op with the same raw inputs.
 
     Returns:
         ``(o, new_state)``, or ``(o, new_state, token_states)`` with ``return_token_states``:
@@ -116,9 +144,14 @@ def gdn2_decode(
         BackendUnsupportedError: the named backend cannot run this call here (no decode op, or
             its reason).
     """
-    spec, resolved, config, chosen = _resolve(
-        q, k, v, w, b, g, state, state_indices, scale, return_token_states, config, backend
-    )
+    arguments = locals()
+    features = {name: arguments[name] for name in ACTIVATION_ARGS}
+    spec, resolved, config, activations, chosen = _resolve(
+        q, k, v, w, b, g, state, state_indices, scale, return_token_states, config, backend,
+        features,
+    )  # fmt: skip
+    if activations.any:
+        q, k, w, b, g = apply_activations(activations, q, k, w, b, g, A_log, dt_bias)
     slots = sanitize_slots(state_indices, spec.n_seqs, spec.pool_size)
     xs = [expand_heads(x, spec.heads) for x in (q, k)]
     gates = [expand_heads(x, spec.heads) for x in (b, g)]
@@ -144,12 +177,20 @@ def which_decode_backend(
     return_token_states: bool = False,
     config=None,
     backend: str = AUTO,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log=None,
+    dt_bias=None,
+    lower_bound: float | None = None,
+    use_bw_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
 ) -> str:
     """The name of the backend a :func:`gdn2_decode` call with these arguments would run.
 
     Args:
-        q, k, v, w, b, g, state, state_indices, scale, return_token_states, config, backend: as
-            for :func:`gdn2_decode`.
+        q, k, v, w, b, g, state, state_indices, scale, return_token_states, config, backend,
+            use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+            use_bw_sigmoid_in_kernel, allow_neg_eigval: as for :func:`gdn2_decode`.
 
     Returns:
         The backend name.
@@ -157,9 +198,12 @@ def which_decode_backend(
     Raises:
         As :func:`gdn2_decode`.
     """
+    arguments = locals()
+    features = {name: arguments[name] for name in ACTIVATION_ARGS}
     *_, chosen = _resolve(
-        q, k, v, w, b, g, state, state_indices, scale, return_token_states, config, backend
-    )
+        q, k, v, w, b, g, state, state_indices, scale, return_token_states, config, backend,
+        features,
+    )  # fmt: skip
     return chosen.name
 
 

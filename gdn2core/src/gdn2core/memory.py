@@ -29,6 +29,7 @@ import dataclasses
 import math
 
 from gdn2core.config import KAGGLE_LARGE, KAGGLE_MEDIUM, KAGGLE_SMALL, KernelConfig
+from gdn2core.features.gva import resolve_spec
 from gdn2core.spec import OpSpec
 
 F32 = 4
@@ -63,12 +64,13 @@ def estimate_memory(spec: OpSpec, config: KernelConfig) -> MemoryEstimate:
     """Byte estimate of each stage of the chunked forward and backward (module docstring).
 
     Args:
-        spec: the call.
+        spec: the call (with grouped value heads: estimated as the plain call a backend runs).
         config: its blocking (``bt`` is the chunk length C).
 
     Returns:
         The :class:`MemoryEstimate`.
     """
+    spec = resolve_spec(spec)
     C = config.bt
     n_chunks = math.ceil(spec.seq_len / C) if spec.seq_len else 0
     bh = spec.batch * spec.heads
@@ -91,7 +93,7 @@ def get_recommended_config(spec: OpSpec) -> KernelConfig:
     """A preset for ``spec``.
 
     Args:
-        spec: the call.
+        spec: the call (with grouped value heads: judged as the plain call a backend runs).
 
     Returns:
         One of the presets, by these rules:
@@ -101,6 +103,7 @@ def get_recommended_config(spec: OpSpec) -> KernelConfig:
       and 128-wide MXU tiles, worth the +47% forward FLOPs on long sequences.
     - otherwise KAGGLE_MEDIUM (C=64), the default.
     """
+    spec = resolve_spec(spec)
     if spec.seq_len <= 64:
         return KAGGLE_SMALL
     if spec.seq_len >= 8192 and max(spec.dk, spec.dv) <= 128:

@@ -12,6 +12,13 @@ A backend distribution:
    (its kernels as report rows) in the same module;
 4. runs the conformance kit: ``gdn2 conformance NAME`` (``docs/backends.md``).
 
+Model features (``docs/backends.md``): a backend declares ``Capabilities(segments=...,
+varlen=..., fused_activations=...)`` and then receives ``extras=`` (an :class:`OpExtras`) and
+``spec.segments`` / ``spec.activations`` (:class:`SegmentMode`, :class:`Activations`,
+:class:`GateMode`; the L2 norm's :data:`L2NORM_EPS`), and the token layouts of packed sequences:
+:func:`segment_starts` (where ``segment_ids`` start sequences) and :func:`varlen_layout` (each
+token's sequence, start and end under ``cu_seqlens``).
+
 Helpers for the array methods: :func:`state_dtype` (the accumulation dtype), :func:`probe` (the
 ``GDN2_FWD_DIAG`` diagnostics), :func:`default_platform`, :func:`is_tpu_available`, :func:`device_memory_bytes`, and the
 token-serial references :func:`gdn2_token_serial_reference` and :func:`gdn2_decode_reference`; a
@@ -23,22 +30,28 @@ from gdn2core.config import KernelConfig
 from gdn2core.decode_reference import gdn2_decode_reference
 from gdn2core.decode_spec import DecodeSpec
 from gdn2core.diagnostics import probe
+from gdn2core.features.segments import segment_starts, varlen_layout
 from gdn2core.hooks import BACKENDS_GROUP, TOOLS_GROUP, Command, KernelCost, hookimpl
 from gdn2core.platform import default_platform, device_memory_bytes, is_tpu_available
 from gdn2core.reference import gdn2_token_serial_reference, state_dtype
-from gdn2core.spec import OpSpec
+from gdn2core.spec import L2NORM_EPS, Activations, GateMode, OpExtras, OpSpec, SegmentMode
 
 __all__ = [
     "BACKENDS_GROUP",
+    "L2NORM_EPS",
     "TOOLS_GROUP",
     "YES",
+    "Activations",
     "Backend",
     "Capabilities",
     "Command",
     "DecodeSpec",
+    "GateMode",
     "KernelConfig",
     "KernelCost",
+    "OpExtras",
     "OpSpec",
+    "SegmentMode",
     "Verdict",
     "default_platform",
     "device_memory_bytes",
@@ -47,5 +60,7 @@ __all__ = [
     "hookimpl",
     "is_tpu_available",
     "probe",
+    "segment_starts",
     "state_dtype",
+    "varlen_layout",
 ]

@@ -7,18 +7,29 @@ One ``lax.scan`` step per token, in the kernel form of ``docs/operator.md``::
     S_t = S' + k_t (w_t * v_t - r)^T     # rank-1 edit                         [dk, dv]
     o_t = scale * S_t^T q_t                                                    [dv]
 
+Every model feature is written here directly, token by token, independently of how the core
+implements it for the backends (:mod:`gdn2core.features`), so that the reference checks the core
+too:
+
+- grouped value heads natively: the state has ``HV`` heads and value head ``j`` reads key head
+  ``j // (HV // H)`` (b and g: the same, or head ``j`` when they have ``HV`` heads);
+- packed sequences: ``segment_ids`` zero the state before every start but token 0; with
+  ``cu_seqlens`` each sequence starts from its own ``h0[n]`` and its last state is ``h_final[n]``;
+- the fused activations of each token (L2 norm, gate, sigmoids) inside the step.
+
 The state is float32 whatever the input dtype (float64 when the inputs are float64), so a
 bfloat16 call is computed in float32 from the bfloat16 values. Differentiable by autodiff in all
-of q, k, v, w, b, g and h0. The contract is ``docs/operator.md``.
+of q, k, v, w, b, g, h0, A_log and dt_bias. The contract is ``docs/operator.md``.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
-from gdn2core.spec import OpSpec
+from gdn2core.features.segments import varlen_layout
+from gdn2core.spec import L2NORM_EPS, Activations, GateMode, OpExtras, OpSpec, SegmentMode
 
 
 def state_dtype(dtype) -> jnp.dtype:
@@ -36,19 +47,29 @@ def state_dtype(dtype) -> jnp.dtype:
 def gdn2_token_serial_reference(
     q: Float[Array, "B T H dk"],
     k: Float[Array, "B T H dk"],
-    v: Float[Array, "B T H dv"],
-    w: Float[Array, "B T H dv"],
-    b: Float[Array, "B T H dk"],
-    g: Float[Array, "B T H dk"],
+    v: Float[Array, "B T HV dv"],
+    w: Float[Array, "B T HV dv"],
+    b: Float[Array, "B T Hg dk"],
+    g: Float[Array, "B T Hg dk"],
     scale: float | None = None,
-    h0: Float[Array, "B H dk dv"] | None = None,
-) -> tuple[Float[Array, "B T H dv"], Float[Array, "B H dk dv"]]:
+    h0: Float[Array, "L HV dk dv"] | None = None,
+    *,
+    segment_ids: Int[Array, "B T"] | None = None,
+    cu_seqlens: Int[Array, " N1"] | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: Float[Array, " Hg"] | None = None,
+    dt_bias: Float[Array, "Hg dk"] | None = None,
+    lower_bound: float | None = None,
+    use_bw_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+) -> tuple[Float[Array, "B T HV dv"], Float[Array, "L HV dk dv"]]:
     """Token-serial GDN-2: one ``lax.scan`` step per token (the ground truth).
 
     Args:
-        q, k, b, g: ``(B, T, H, dk)``; v, w: ``(B, T, H, dv)``; one floating dtype.
-        scale: the query scale (None: ``dk ** -0.5``).
-        h0: the initial state ``(B, H, dk, dv)`` (None: zeros).
+        q, k, v, w, b, g, scale, h0, segment_ids, cu_seqlens, use_qk_l2norm_in_kernel,
+            use_gate_in_kernel, A_log, dt_bias, lower_bound, use_bw_sigmoid_in_kernel,
+            allow_neg_eigval: as for :func:`gdn2core.gdn2_forward`.
 
     Returns:
         ``(o, h_final)``: o in v's dtype, h_final float32 (float64 for float64 inputs).
@@ -56,20 +77,98 @@ def gdn2_token_serial_reference(
     Raises:
         ValueError, TypeError: as :func:`gdn2core.gdn2_forward` for bad inputs.
     """
-    spec = OpSpec.from_inputs(q, k, v, w, b, g, scale, h0)
+    activations = Activations.from_options(
+        use_qk_l2norm_in_kernel,
+        use_gate_in_kernel,
+        lower_bound,
+        use_bw_sigmoid_in_kernel,
+        allow_neg_eigval,
+    )
+    spec = OpSpec.from_inputs(
+        q, k, v, w, b, g, scale, h0,
+        segment_ids=segment_ids, cu_seqlens=cu_seqlens, activations=activations,
+        A_log=A_log, dt_bias=dt_bias,
+    )  # fmt: skip
+    extras = OpExtras(segment_ids, cu_seqlens, A_log, dt_bias)
+    return token_serial(spec, q, k, v, w, b, g, h0, extras)
+
+
+def token_serial(
+    spec: OpSpec, q, k, v, w, b, g, h0=None, extras: OpExtras | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """The reference for validated inputs of ``spec`` (what :func:`gdn2_token_serial_reference`
+    runs after validation; the reference backend of the kit calls it directly).
+
+    Args:
+        spec: the inputs' spec (features included).
+        q, k, v, w, b, g, h0: the inputs (h0 None: zeros).
+        extras: the feature arrays (None: none).
+
+    Returns:
+        ``(o, h_final)``.
+    """
+    extras = OpExtras() if extras is None else extras
     acc = state_dtype(q.dtype)
+    HV, dk, dv = spec.value_heads, spec.dk, spec.dv
     if h0 is None:
-        h0 = jnp.zeros((spec.batch, spec.heads, spec.dk, spec.dv), acc)
+        h0 = jnp.zeros((spec.state_rows, HV, dk, dv), acc)
+    h0 = h0.astype(acc)
+    # Per value head j: the key head it reads and the gate head it uses.
+    key_head = jnp.arange(HV) // spec.groups  # [HV]
+    gate_head = key_head if spec.gate_heads == spec.heads else jnp.arange(HV)  # [HV]
+    act = spec.activations
+    A_log = None if extras.A_log is None else extras.A_log.astype(acc)
+    dt_bias = None if extras.dt_bias is None else extras.dt_bias.astype(acc)
 
-    # [T, B, H, d] in the accumulation dtype: the scan runs over the leading axis.
+    def token(S, x):
+        """One token for every row: S [B, HV, dk, dv] -> (S_t, o_t [B, HV, dv])."""
+        qt, kt, vt, wt, bt, gt = x  # [B, H, dk] x2, [B, HV, dv] x2, [B, Hg, dk] x2
+        if act.qk_l2norm:
+            qt = qt / jnp.sqrt(jnp.sum(qt**2, axis=-1, keepdims=True) + L2NORM_EPS)
+            kt = kt / jnp.sqrt(jnp.sum(kt**2, axis=-1, keepdims=True) + L2NORM_EPS)
+        if act.bw_sigmoid:
+            bt = (2.0 if act.neg_eigval else 1.0) / (1.0 + jnp.exp(-bt))
+            wt = 1.0 / (1.0 + jnp.exp(-wt))
+        if act.gate == GateMode.SOFTPLUS:
+            gt = -jnp.exp(A_log)[:, None] * jnp.logaddexp(0.0, gt + dt_bias)
+        elif act.gate == GateMode.LOWER_BOUND:
+            gt = act.lower_bound / (1.0 + jnp.exp(-jnp.exp(A_log)[:, None] * gt))
+        qt, kt = qt[:, key_head], kt[:, key_head]  # [B, HV, dk]
+        bt, gt = bt[:, gate_head], gt[:, gate_head]  # [B, HV, dk]
+        return token_step(S, qt, kt, vt, wt, bt, gt, spec.scale)  # [B, HV, dk, dv], [B, HV, dv]
+
+    # [T, B, heads, d] in the accumulation dtype: the scan runs over the leading axis.
     xs = tuple(jnp.swapaxes(x, 0, 1).astype(acc) for x in (q, k, v, w, b, g))
+    zero = jnp.zeros((spec.batch, HV, dk, dv), acc)
 
-    def step(S, x):  # S: [B, H, dk, dv] acc
-        S_new, o = token_step(S, *x, spec.scale)
-        return S_new, o
+    if spec.segments == SegmentMode.CU_SEQLENS:  # B = 1; h0 and h_final per sequence
+        seq, start, end = varlen_layout(extras.cu_seqlens, spec.seq_len)  # [T] each
 
-    h_final, o = jax.lax.scan(step, h0.astype(acc), xs)  # o: [T, B, H, dv]
-    return jnp.swapaxes(o, 0, 1).astype(v.dtype), h_final
+        def step_varlen(carry, x):
+            S, h_fin = carry  # [1, HV, dk, dv], [N, HV, dk, dv]
+            n, is_start, is_end, tok = x
+            S = jnp.where(is_start, h0[n][None], S)  # sequence n starts from h0[n]
+            S_new, o = token(S, tok)
+            h_fin = h_fin.at[n].set(jnp.where(is_end, S_new[0], h_fin[n]))
+            return (S_new, h_fin), o
+
+        (_, h_final), o = jax.lax.scan(step_varlen, (zero, h0), (seq, start, end, xs))
+    else:
+        if spec.segments == SegmentMode.IDS:
+            ids = extras.segment_ids
+            reset = jnp.concatenate(
+                [jnp.zeros_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], axis=1
+            )  # [B, T]: a start other than token 0
+        else:
+            reset = jnp.zeros((spec.batch, spec.seq_len), bool)
+
+        def step(S, x):
+            is_reset, tok = x  # [B]
+            S = jnp.where(is_reset[:, None, None, None], 0.0, S)  # a new sequence: zero state
+            return token(S, tok)
+
+        h_final, o = jax.lax.scan(step, h0, (jnp.swapaxes(reset, 0, 1), xs))
+    return jnp.swapaxes(o, 0, 1).astype(v.dtype), h_final  # o: [B, T, HV, dv]
 
 
 def token_step(S, qt, kt, vt, wt, bt, gt, scale: float):

@@ -8,6 +8,10 @@ trainability (for a decode call, :attr:`Capabilities.decode`; for chunk states,
 :attr:`Capabilities.interpret` and ``KernelConfig(interpret=True)``); the spec against the
 capabilities; and the backend's own :meth:`~Backend.supports`. A backend method that raises refuses
 only that call, and the exception is logged.
+
+The spec judged is the one the backend would see (:func:`gdn2core.features.route.backend_spec`:
+grouped value heads resolved, activations off unless it fuses them), so a refusal names the
+argument the backend lacks (``segment_ids``, ``cu_seqlens``) or the size it would get.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import logging
 from gdn2core.backend import YES, Backend, Verdict, short_error
 from gdn2core.config import DEFAULT_CONFIG, KernelConfig
 from gdn2core.decode_spec import DecodeSpec
+from gdn2core.features.route import backend_spec
 from gdn2core.platform import default_platform
 from gdn2core.spec import OpSpec
 
@@ -62,10 +67,17 @@ def verdict(
     if chunk_states and not caps.chunk_states:
         return Verdict(False, "no chunk states (return_chunk_states=True)")
     if spec is not None:
-        admitted = caps.admits(spec)
+        view = backend_spec(spec, caps)
+        admitted = caps.admits(view)
         if not admitted:
+            if view.dv != spec.dv:
+                return Verdict(
+                    False,
+                    f"{admitted.reason} (grouped value heads: the {spec.groups} value heads of "
+                    f"each key head run as one head of dv={view.dv})",
+                )
             return admitted
-        return _ask(backend, "supports", spec, config)
+        return _ask(backend, "supports", view, config)
     return YES
 
 

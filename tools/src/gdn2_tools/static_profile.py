@@ -316,7 +316,8 @@ def estimate(
         if code == 0 or not crashed:
             break
         unprofiled.update(crashed)
-        if not os.path.exists(os.path.join(work, "hlo.txt")):  # aborted before writing it
+        if not os.path.exists(os.path.join(work, "hlo.txt")):  # the abort came before the child
+            # wrote the HLO: a compile without the profiler names the ops
             code, log = _compile_child(program, tpu, work, list(extra_flags), timeout_s, max_rss_gb)
             if code != 0:
                 break

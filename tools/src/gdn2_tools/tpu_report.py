@@ -1,7 +1,9 @@
 """``gdn2 tpu-report``: per-kernel VMEM, FLOPs, HBM bytes and roofline of a backend for a TPU
 target, and the compiled HBM of its forward and train step.
 
-Everything is compile-time analysis (no TPU run). The per-kernel rows come from the backend's own
+Everything is compile-time analysis (no TPU run). ``--estimate`` adds TPU time from the compiler's
+static cycle estimate (gdn2_tools.tpu_estimate), ``--table`` writes the README's table of them.
+The per-kernel rows come from the backend's own
 ``gdn2_kernel_costs`` hook (a backend without one reports only the compiled HBM); the roofline
 divides them by the generation's peak numbers; the compiled HBM is ``memory_analysis()`` of a
 deviceless compile (libtpu). The default backend is the one ``backend="auto"`` picks for a TPU.
@@ -41,6 +43,18 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         "--config", choices=("default", *PRESETS), default="default", help="KernelConfig preset"
     )
     p.add_argument("--no-compile", action="store_true", help="skip the deviceless compile")
+    p.add_argument(
+        "--estimate",
+        action="store_true",
+        help="TPU time from the compiler's static cycle estimate: the backend's kernels and jax_ref "
+        "for the same TPU, train step and forward, against the roofline (minutes)",
+    )
+    p.add_argument(
+        "--table",
+        metavar="OUT.md",
+        help="write the README table of estimates (train and long shapes, v5e and v6e, bf16 and "
+        "f32; tens of minutes); see gdn2_tools.tpu_estimate",
+    )
     return p.parse_args(list(argv))
 
 
@@ -53,7 +67,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         0, or 2 when no backend would run the call on a TPU or libtpu is missing for the compile.
     """
-    args = _parse(argv or [])
+    argv = list(argv or [])
+    args = _parse(argv)
+    if args.table or args.estimate:
+        problem = missing("libtpu", extra="tpu", why="gdn2 tpu-report --estimate")
+        if problem:
+            print(f"gdn2 tpu-report: {problem}")
+            return 2
+        from gdn2_tools import tpu_estimate
+
+        if args.table:
+            return tpu_estimate.table_main(["--table", args.table])
+        from gdn2core import DEFAULT_CONFIG, PRESETS
+
+        config = DEFAULT_CONFIG if args.config == "default" else PRESETS[args.config]
+        return tpu_estimate.estimate_main(args, config)
     if not args.no_compile:
         problem = missing("libtpu", extra="tpu", why="gdn2 tpu-report (compiled HBM)")
         if problem:

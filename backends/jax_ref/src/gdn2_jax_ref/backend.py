@@ -8,38 +8,87 @@ from gdn2_jax_ref.decode import gdn2_jax_decode
 from gdn2_jax_ref.forward import gdn2_chunk_forward, gdn2_chunk_forward_chunk_states
 from gdn2_jax_ref.params import ChunkParams
 from gdn2_jax_ref.vjp import gdn2_chunk_trainable
-from gdn2core.plugin import Backend, Capabilities, DecodeSpec, KernelConfig, OpSpec
+from gdn2core.plugin import Backend, Capabilities, DecodeSpec, KernelConfig, OpExtras, OpSpec
+
+
+def _packing(extras: OpExtras | None) -> tuple[jax.Array | None, jax.Array | None]:
+    """``(segment_ids, cu_seqlens)`` of the call (each None when absent)."""
+    if extras is None:
+        return None, None
+    return extras.segment_ids, extras.cu_seqlens
 
 
 class JaxRefBackend(Backend):
     """Any dk/dv, float32/bfloat16/float64, trainable, decode and chunk states; always
-    available."""
+    available. Packed sequences by segment ids (resets anywhere, no padding) and by cu_seqlens
+    (one h0/h_final per sequence; each sequence from a chunk boundary, see
+    :mod:`gdn2_jax_ref.varlen`). The core applies fused activations in XLA and resolves grouped
+    value heads before the call."""
 
     name = "jax_ref"
     priority = 100
-    capabilities = Capabilities(decode=True, chunk_states=True)
+    capabilities = Capabilities(segments=True, varlen=True, decode=True, chunk_states=True)
 
     def forward(
-        self, q, k, v, w, b, g, h0, *, spec: OpSpec, config: KernelConfig
+        self,
+        q,
+        k,
+        v,
+        w,
+        b,
+        g,
+        h0,
+        *,
+        spec: OpSpec,
+        config: KernelConfig,
+        extras: OpExtras | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """The chunked forward (see :class:`gdn2core.plugin.Backend`)."""
         params = ChunkParams.from_spec(spec, config)
-        o, h_final, _ = gdn2_chunk_forward(q, k, v, w, b, g, h0, params)
+        segment_ids, cu_seqlens = _packing(extras)
+        o, h_final, _ = gdn2_chunk_forward(
+            q, k, v, w, b, g, h0, params, segment_ids=segment_ids, cu_seqlens=cu_seqlens
+        )
         return o, h_final.astype(h0.dtype)
 
     def forward_trainable(
-        self, q, k, v, w, b, g, h0, *, spec: OpSpec, config: KernelConfig
+        self,
+        q,
+        k,
+        v,
+        w,
+        b,
+        g,
+        h0,
+        *,
+        spec: OpSpec,
+        config: KernelConfig,
+        extras: OpExtras | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """The chunked forward with the hand-derived backward (``vjp.py``)."""
         params = ChunkParams.from_spec(spec, config)
-        o, h_final = gdn2_chunk_trainable(q, k, v, w, b, g, h0, params)
+        segment_ids, cu_seqlens = _packing(extras)
+        o, h_final = gdn2_chunk_trainable(q, k, v, w, b, g, h0, params, segment_ids, cu_seqlens)
         return o, h_final.astype(h0.dtype)
 
     def forward_chunk_states(
-        self, q, k, v, w, b, g, h0, *, spec: OpSpec, config: KernelConfig
+        self,
+        q,
+        k,
+        v,
+        w,
+        b,
+        g,
+        h0,
+        *,
+        spec: OpSpec,
+        config: KernelConfig,
+        extras: OpExtras | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The chunked forward and every chunk-entry state (see
-        :meth:`gdn2core.plugin.Backend.forward_chunk_states`)."""
+        :meth:`gdn2core.plugin.Backend.forward_chunk_states`; never packed, and the core applies
+        the activations, so ``extras`` carries nothing here)."""
+        del extras
         params = ChunkParams.from_spec(spec, config)
         o, h_final, chunks = gdn2_chunk_forward_chunk_states(q, k, v, w, b, g, h0, params)
         return o, h_final.astype(h0.dtype), chunks.astype(h0.dtype)

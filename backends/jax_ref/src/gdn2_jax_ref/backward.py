@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
-from gdn2_jax_ref.chunk import load_group, pad_time, store_group
-from gdn2_jax_ref.forward import entry_states, plan_blocking
+from gdn2_jax_ref.forward import entry_states, plan_rows
 from gdn2_jax_ref.local import LOG_DECAY_FLOOR, ChunkLocal, chunk_local, cumsum_rows
 from gdn2_jax_ref.params import ChunkParams, einsum
 from gdn2_jax_ref.scores import score_kappa, score_rho
+from gdn2_jax_ref.segments import RowSegments
+from gdn2_jax_ref.varlen import SeqStates, enter, record
 from gdn2core.diagnostics import probe
 
 
@@ -34,26 +35,41 @@ def reverse_state_pass(
     dO: Float[Array, "G B H C V"],
     dS_out: Float[Array, "B H K V"],
     scale: float,
-) -> tuple[Float[Array, "G B H C V"], Float[Array, "G B H K V"], Float[Array, "B H K V"]]:
+    seqs: SeqStates | None = None,
+    dh0: Float[Array, "N H K V"] | None = None,
+) -> tuple[
+    Float[Array, "G B H C V"],
+    Float[Array, "G B H K V"],
+    Float[Array, "B H K V"],
+    Float[Array, "N H K V"] | None,
+]:
     """Pass 1 over the chunks of one group, entered (from the right) with ``dS_out``.
 
     dR = scale A_qk^T dO + K_tilde dS;  dS <- exp(gamma_C) dS + scale Q_tilde^T dO - Y^T dR.
     The dO terms do not depend on dS and are formed for the G chunks at once; the scan does two
-    matmuls per chunk. Returns ``(dR, dS, dS_in)`` with dS[n] the gradient w.r.t. the state
-    leaving chunk n.
+    matmuls per chunk. Returns ``(dR, dS, dS_in, dh0)`` with dS[n] the gradient w.r.t. the state
+    leaving chunk n. With ``seqs`` (cu_seqlens), dS leaving a sequence's last chunk is its
+    dh_final, the dS entering its first chunk is recorded in ``dh0`` and not carried on.
     """
     dR_o = scale * einsum("...rc,...rv->...cv", L.A_qk, dO)  # [G, B, H, C, V]
     dS_o = scale * einsum("...ck,...cv->...kv", L.Q_tilde, dO)  # [G, B, H, K, V]
 
-    def step(dS, xs):  # dS: [B, H, K, V], w.r.t. the state leaving this chunk
-        dR_o_n, dS_o_n, K_tilde, decay_C, Y = xs
+    def step(carry, xs):  # dS: [B, H, K, V], w.r.t. the state leaving this chunk
+        dS, d0 = carry
+        dR_o_n, dS_o_n, K_tilde, decay_C, Y, rs = xs
+        if rs is not None:
+            dS = enter(seqs.dh_final, dS, rs.last, rs.seq)  # [B=1, H, K, V]
         dR = dR_o_n + einsum("bhck,bhkv->bhcv", K_tilde, dS)  # [B, H, C, V]
         dS_prev = decay_C[..., None] * dS + dS_o_n - einsum("bhck,bhcv->bhkv", Y, dR)
-        return dS_prev, (dR, dS)  # dS_prev: [B, H, K, V]
+        if rs is not None:
+            d0 = record(d0, dS_prev, rs.first, rs.seq)  # [N, H, K, V]
+            dS_prev = jnp.where(rs.first, 0.0, dS_prev)  # nothing flows into the previous one
+        return (dS_prev, d0), (dR, dS)  # dS_prev: [B, H, K, V]
 
-    xs = (dR_o, dS_o, L.K_tilde, L.decay_C, L.Y)
-    dS_in, (dR, dS) = lax.scan(step, dS_out, xs, reverse=True)
-    return dR, dS, dS_in
+    rs = None if seqs is None else seqs.resets
+    xs = (dR_o, dS_o, L.K_tilde, L.decay_C, L.Y, rs)
+    (dS_in, dh0), (dR, dS) = lax.scan(step, (dS_out, dh0), xs, reverse=True)
+    return dR, dS, dS_in, dh0
 
 
 def chunk_grads(
@@ -68,12 +84,17 @@ def chunk_grads(
     dO: Float[Array, "G B H C V"],
     dS_out: Float[Array, "B H K V"],
     params: ChunkParams,
-) -> tuple[tuple[Float[Array, "G B H C _"], ...], Float[Array, "B H K V"]]:
-    """Passes 0, 1 and 2 for one group entered with state ``S0``.
-    Returns ``((dq, dk, dv, dw, db, dg), dS_in)``, the gradients in chunk layout."""
+    seqs: SeqStates | None = None,
+    dh0: Float[Array, "N H K V"] | None = None,
+) -> tuple[
+    tuple[Float[Array, "G B H C _"], ...], Float[Array, "B H K V"], Float[Array, "N H K V"] | None
+]:
+    """Passes 0, 1 and 2 for one group entered with state ``S0``. Returns
+    ``((dq, dk, dv, dw, db, dg), dS_in, dh0)``, the gradients in chunk layout (``seqs``, ``dh0``:
+    cu_seqlens, see :func:`reverse_state_pass`)."""
     scale, c, clip = params.scale, params.bc, params.clip
-    S, R, _ = entry_states(L, S0)  # Pass 0: [G, B, H, K, V], [G, B, H, C, V]
-    dR, dS, dS_in = reverse_state_pass(L, dO, dS_out, scale)  # Pass 1
+    S, R, _, _ = entry_states(L, S0, seqs)  # Pass 0: [G, B, H, K, V], [G, B, H, C, V]
+    dR, dS, dS_in, dh0 = reverse_state_pass(L, dO, dS_out, scale, seqs, dh0)  # Pass 1
     dR = probe("jax_ref dR", dR)  # [G, B, H, C, V]
     dK_tilde = einsum("...cv,...kv->...ck", R, dS)  # B3 [G, B, H, C, K]
     d_decay_C = jnp.sum(S * dS, axis=-1)  # B3 [G, B, H, K]
@@ -102,15 +123,15 @@ def chunk_grads(
     g_rho, g_kappa = lax.optimization_barrier((L.gamma_cum, L.gamma_cum))
     P_qk_self = jnp.diagonal(P_qk, axis1=-2, axis2=-1)[..., None]  # [G, B, H, C, 1]
     P_both = jnp.stack([jnp.tril(P_qk, -1), P_kk])  # [2, G, B, H, C, C] both strictly lower
-    dQ_s, dE_s = score_rho(P_both, kc, g_rho, c, clip)  # [G, B, H, C, K] each, s < r
-    dK_1, dK_2 = score_kappa(P_both, jnp.stack([qc, L.E]), g_kappa, c, clip)  # [G, B, H, C, K]
+    seg = L.seg  # packed sequences: every factor across a start is 0 (gdn2_jax_ref.segments)
+    seg_rows = None if seg is None else seg.seg  # [G, B, 1, C, 1]
+    dQ_s, dE_s = score_rho(P_both, kc, g_rho, c, clip, seg=seg_rows)  # [G, B, H, C, K], s < r
+    dK_1, dK_2 = score_kappa(P_both, jnp.stack([qc, L.E]), g_kappa, c, clip, seg=seg_rows)
 
-    e_gamma = jnp.exp(L.gamma_cum)  # [G, B, H, C, K] <= 1
-    e_tail = jnp.exp(L.gamma_cum[..., -1:, :] - L.gamma_cum)  # [G, B, H, C, K] <= 1
-    dE = dE_bar * e_gamma + dE_s  # B8 [G, B, H, C, K]
-    dq_c = dQ_tilde * e_gamma + dQ_s + P_qk_self * kc  # B8 [G, B, H, C, K], self pairs back in
+    dE = dE_bar * L.e_head + dE_s  # B8 [G, B, H, C, K]
+    dq_c = dQ_tilde * L.e_head + dQ_s + P_qk_self * kc  # B8 [G, B, H, C, K], self pairs back in
     db_c = dE * kc  # B8 [G, B, H, C, K]
-    dk_c = dE * bc + dK_1 + dK_2 + P_qk_self * qc + dK_tilde * e_tail  # B8 [G, B, H, C, K]
+    dk_c = dE * bc + dK_1 + dK_2 + P_qk_self * qc + dK_tilde * L.e_tail  # B8 [G, B, H, C, K]
     # B9 without the self pairs (see B7) and without the K_tilde terms.
     d_gamma = (
         dQ_tilde * L.Q_tilde + dE_bar * L.E_bar + qc * dQ_s - kc * dK_1 + L.E * dE_s - kc * dK_2
@@ -124,12 +145,19 @@ def chunk_grads(
     # r = C term (exp(0) k, O(1)) then enters twice and cancels only after rounding, as does the
     # last real token's when zero-g padding follows it (T not a multiple of C). Excluding r = C
     # alone leaves the padded case off by 100% of max|dg| under uniformly strong decay.
-    dg_c = cumsum_rows(d_gamma, reverse=True) + cumsum_rows(
-        dK_tilde * L.K_tilde, exclusive=True
+    # With packed sequences both cumsums are segment-local, like gamma_cum's: g_j enters only
+    # the gamma_cum of later rows of its own segment (and gamma_C, K_tilde only through the last
+    # segment, where decay_C and e_tail are not masked to 0).
+    dg_c = cumsum_rows(d_gamma, reverse=True, seg=seg) + cumsum_rows(
+        dK_tilde * L.K_tilde, exclusive=True, seg=seg
     )  # B10 [G, B, H, C, K]
-    # g below the floor of floor_log_decay: exp(g) = 0 exactly, so its gradient is 0.
-    dg_c = jnp.where(gc < LOG_DECAY_FLOOR[gc.dtype], 0.0, dg_c)  # [G, B, H, C, K]
-    return (dq_c, dk_c, dv_c, dw_c, db_c, dg_c), dS_in
+    # g below the floor of floor_log_decay: exp(g) = 0 exactly, so its gradient is 0; a start's
+    # g decays a zero state (it is left out of gamma_cum): 0 too.
+    forgotten = gc < LOG_DECAY_FLOOR[gc.dtype]  # [G, B, H, C, K]
+    if seg is not None:
+        forgotten = forgotten | seg.is_start
+    dg_c = jnp.where(forgotten, 0.0, dg_c)  # [G, B, H, C, K]
+    return (dq_c, dk_c, dv_c, dw_c, db_c, dg_c), dS_in, dh0
 
 
 def gdn2_chunk_backward(
@@ -143,27 +171,55 @@ def gdn2_chunk_backward(
     do: Float[Array, "B T H V"],
     dh_final: Float[Array, "B H K V"],
     params: ChunkParams,
+    segment_ids: Int[Array, "B T"] | None = None,
+    cu_seqlens: Int[Array, " N1"] | None = None,
+    h0: Float[Array, "N H K V"] | None = None,
 ) -> tuple[Float[Array, "B T H _"], ...]:
-    """Gradients ``(dq, dk, dv, dw, db, dg, dh0)``: inputs' dtypes, dh0 in the state dtype."""
+    """Gradients ``(dq, dk, dv, dw, db, dg, dh0)``: inputs' dtypes, dh0 in the state dtype.
+
+    ``segment_ids``, ``cu_seqlens``: as :func:`gdn2_jax_ref.forward.gdn2_chunk_forward`; with
+    ``cu_seqlens``, ``h0`` (the per-sequence initial states) is required and dh_final and dh0 are
+    per sequence."""
     acc = params.acc_dtype
-    seq = q.shape[1]
-    blk = plan_blocking(q, v, params)
-    inputs = tuple(pad_time(x, blk) for x in (q, k, v, w, b, g))  # [B, Tp, H, d]
-    do = pad_time(do, blk)  # [B, Tp, H, V]
+    bsz, seq = q.shape[:2]
+    blk, io, varlen = plan_rows(q, v, params, cu_seqlens)
+    rows = None if segment_ids is None else RowSegments.build(segment_ids, blk)
+    dS0, dh0_0, seqs_h0, seqs_dh = dh_final.astype(acc), None, None, None  # [B, H, K, V]
+    if varlen is not None:  # the carry starts at zero; dh_final[n] enters at chunk level
+        seqs_h0, seqs_dh = h0.astype(acc), dh_final.astype(acc)  # [N, H, K, V]
+        dS0 = jnp.zeros((bsz, *dh_final.shape[1:]), acc)  # [B=1, H, K, V]
+        dh0_0 = jnp.where(varlen.empty[:, None, None, None], seqs_dh, 0.0)  # empty: dh_final
+    inputs = tuple(io.pad(x) for x in (q, k, v, w, b, g))  # [B, Tp, H, d]
+    do = io.pad(do)  # [B, Tp, H, V]
     bufs0 = tuple(jnp.zeros_like(x) for x in inputs)  # gradient buffers [B, Tp, H, d]
 
-    def group_step(carry, xs):
-        dS, bufs = carry  # [B, H, K, V], 6 x [B, Tp, H, d]
-        i, S0 = xs  # group index, [B, H, K, V] group-entry state
-        qc, kc, vc, wc, bc, gc = (load_group(x, i, blk, acc) for x in inputs)  # [G, B, H, C, d]
-        dO = load_group(do, i, blk, acc)  # [G, B, H, C, V]
-        L = chunk_local(qc, kc, vc, wc, bc, gc, params=params)
-        grads, dS_in = chunk_grads(L, qc, kc, vc, wc, bc, gc, S0, dO, dS, params)
-        bufs = tuple(store_group(buf, d, i, blk) for buf, d in zip(bufs, grads, strict=True))
-        return (dS_in, bufs), None
+    def group_work(dS, dh0, i, S0):
+        qc, kc, vc, wc, bc, gc = (io.load(x, i, acc) for x in inputs)  # [G, B, H, C, d]
+        dO = io.load(do, i, acc)  # [G, B, H, C, V]
+        seg = None if rows is None else rows.load_group(i, blk)  # [G, B, 1, C, 1]
+        L = chunk_local(qc, kc, vc, wc, bc, gc, params=params, seg=seg)
+        seqs = None if varlen is None else SeqStates(varlen.group(i, blk.group), seqs_h0, seqs_dh)
+        return chunk_grads(L, qc, kc, vc, wc, bc, gc, S0, dO, dS, params, seqs, dh0)
 
-    carry0 = (dh_final.astype(acc), bufs0)
+    def group_skip(dS, dh0, i, S0):  # zero tokens only (see the forward): no gradient
+        shape = (blk.group, bsz, q.shape[2], blk.bt)  # [G, B, H, C]
+        grads = tuple(jnp.zeros((*shape, x.shape[-1]), acc) for x in inputs)
+        return grads, dS, dh0
+
+    def group_step(carry, xs):
+        dS, bufs, dh0 = carry  # [B, H, K, V], 6 x [B, Tp, H, d], [N, H, K, V] or None
+        i, S0 = xs  # group index, [B, H, K, V] group-entry state
+        if varlen is None:
+            grads, dS_in, dh0 = group_work(dS, dh0, i, S0)
+        else:
+            used = varlen.group_used(i, blk.group)
+            grads, dS_in, dh0 = lax.cond(used, group_work, group_skip, dS, dh0, i, S0)
+        bufs = tuple(io.store(buf, d, i) for buf, d in zip(bufs, grads, strict=True))
+        return (dS_in, bufs, dh0), None
+
+    carry0 = (dS0, bufs0, dh0_0)
     xs = (jnp.arange(blk.n_groups), states)
-    (dh0, bufs), _ = lax.scan(group_step, carry0, xs, reverse=True)
+    (dS_in, bufs, dh0), _ = lax.scan(group_step, carry0, xs, reverse=True)
     dq, dk, dv, dw, db, dg = (buf[:, :seq] for buf in bufs)
+    dh0 = dS_in if dh0 is None else dh0  # [B or N, H, K, V]
     return dq, dk, dv, dw, db, probe("jax_ref dg", dg), probe("jax_ref dh0", dh0)

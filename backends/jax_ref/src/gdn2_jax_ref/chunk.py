@@ -83,6 +83,23 @@ def store_group(
     return lax.dynamic_update_slice_in_dim(buf, xs.astype(buf.dtype), i * blk.group_len, axis=1)
 
 
+@dataclasses.dataclass(frozen=True)
+class PlainRows:
+    """Group I/O of one sequence per row: :func:`pad_time`, :func:`load_group` and
+    :func:`store_group` (the cu_seqlens counterpart is ``gdn2_jax_ref.varlen.VarlenRows``)."""
+
+    blk: Blocking
+
+    def pad(self, x: Float[Array, "B T H d"]) -> Float[Array, "B Tp H d"]:
+        return pad_time(x, self.blk)
+
+    def load(self, x: Float[Array, "B Tp H d"], i, dtype) -> Float[Array, "G B H C d"]:
+        return load_group(x, i, self.blk, dtype)
+
+    def store(self, buf: Float[Array, "B Tp H d"], x: Float[Array, "G B H C d"], i):
+        return store_group(buf, x, i, self.blk)
+
+
 def to_chunks(x: Float[Array, "B T H d"], bt: int, dtype) -> Float[Array, "N B H C d"]:
     """The whole sequence in chunk layout (zero-padded to a multiple of ``bt``); for tests."""
     blk = Blocking(seq_len=x.shape[1], bt=bt, group=max(1, -(-x.shape[1] // bt)), n_groups=1)

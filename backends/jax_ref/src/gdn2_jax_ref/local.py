@@ -6,6 +6,10 @@ exp(gamma_C - gamma_cum) and exp(gamma_C); the scores go through :mod:`gdn2_jax_
 
 g is first raised to a finite floor (:func:`floor_log_decay`), so g = -inf ("forget this channel")
 cannot make -inf - (-inf) = NaN in the cumsum or in a decay difference.
+
+With packed sequences (``seg``, :mod:`gdn2_jax_ref.segments`) the cumsum is segment-local (it
+restarts after a start and leaves the start's own g out) and every decay factor that would cross
+a sequence start is exactly 0 (exponent masked to -inf before the exp).
 """
 
 from __future__ import annotations
@@ -20,21 +24,27 @@ from jaxtyping import Array, Float
 
 from gdn2_jax_ref.params import ChunkParams, einsum
 from gdn2_jax_ref.scores import score
+from gdn2_jax_ref.segments import SegmentMasks, same_segment
 from gdn2_jax_ref.wy import wy_inverse
 from gdn2core.diagnostics import probe
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["gamma_cum", "decay_C", "E", "E_bar", "Q_tilde", "K_tilde", "A_qk", "T", "Y", "U"],
+    data_fields=[
+        *("gamma_cum", "e_head", "e_tail", "decay_C", "E", "E_bar", "Q_tilde", "K_tilde"),
+        *("A_qk", "T", "Y", "U", "seg"),
+    ],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
 class ChunkLocal:
     """Chunk-local quantities, all in the accumulation dtype; ``...`` = ``N, B, H``."""
 
-    gamma_cum: Float[Array, "... C K"]  # F1 inclusive chunk-local cumsum of g
-    decay_C: Float[Array, "... K"]  # exp(gamma_C), the chunk carry
+    gamma_cum: Float[Array, "... C K"]  # F1 inclusive chunk-local (segment-local) cumsum of g
+    e_head: Float[Array, "... C K"]  # exp(gamma_cum), 0 on rows the entry state does not reach
+    e_tail: Float[Array, "... C K"]  # exp(gamma_C - gamma_cum), 0 outside the last segment
+    decay_C: Float[Array, "... K"]  # exp(gamma_C), the chunk carry (0 if the chunk holds a start)
     E: Float[Array, "... C K"]  # F2 b * k
     E_bar: Float[Array, "... C K"]  # F3 exp(gamma_cum) * E
     Q_tilde: Float[Array, "... C K"]  # F3 exp(gamma_cum) * q
@@ -43,6 +53,7 @@ class ChunkLocal:
     T: Float[Array, "... C C"]  # F5 ((1 + wy_eps) I + A_kk)^-1
     Y: Float[Array, "... C K"]  # F6 T E_bar
     U: Float[Array, "... C V"]  # F6 T Z
+    seg: SegmentMasks | None  # packed sequences, None for one sequence per row
 
 
 #: Floor on g per accumulation dtype: g below it is raised to it before anything else, so g = -inf
@@ -69,16 +80,29 @@ def floor_log_decay(g: Float[Array, "... C K"]) -> Float[Array, "... C K"]:
 
 
 def cumsum_rows(
-    x: Float[Array, "... C K"], reverse: bool = False, exclusive: bool = False
+    x: Float[Array, "... C K"],
+    reverse: bool = False,
+    exclusive: bool = False,
+    seg: SegmentMasks | None = None,
 ) -> Float[Array, "... C K"]:
     """Inclusive cumsum over the C axis (reverse: from the end; exclusive: row r itself left
     out), as a matmul with a triangle of ones (faster on CPU than XLA's reduce-window cumsum;
-    the same number of additions per row)."""
+    the same number of additions per row). With ``seg`` it is segment-local: the triangle is 0
+    between rows of different segments, so each row sums its own segment's rows only."""
     C = x.shape[-2]
     ones = jnp.tril(jnp.ones((C, C), x.dtype), -1 if exclusive else 0)  # [C(r), C(s)]: s <=(<) r
     if reverse:
         ones = ones.T  # s >= r
-    return einsum("rs,...sk->...rk", ones, x)  # [..., C, K]
+    if seg is None:
+        return einsum("rs,...sk->...rk", ones, x)  # [..., C, K]
+    ones = jnp.where(same_segment(seg.seg, seg.seg), ones, 0.0)  # [G, B, 1, C, C]
+    return einsum("...rs,...sk->...rk", ones, x)  # [..., C, K]
+
+
+def masked_exp(x: Float[Array, "*dims"], keep) -> Float[Array, "*dims"]:
+    """exp(x), exactly 0 where ``keep`` is False (the exponent is set to -inf first); plain
+    exp(x) for ``keep`` None."""
+    return jnp.exp(x if keep is None else jnp.where(keep, x, -jnp.inf))
 
 
 def chunk_local(
@@ -89,23 +113,37 @@ def chunk_local(
     b: Float[Array, "... C K"],
     g: Float[Array, "... C K"],
     params: ChunkParams,
+    seg: SegmentMasks | None = None,
 ) -> ChunkLocal:
-    """F1-F6 for every chunk (inputs already chunked and in the accumulation dtype)."""
-    gamma_cum = probe("jax_ref gamma_cum", cumsum_rows(floor_log_decay(g)))  # [..., C, K]
-    gamma_C = gamma_cum[..., -1, :]  # [..., K]
+    """F1-F6 for every chunk (inputs already chunked and in the accumulation dtype); ``seg``:
+    the segment numbers of packed sequences (None: one sequence)."""
+    g = floor_log_decay(g)  # [..., C, K]
+    if seg is not None:
+        g = jnp.where(seg.is_start, 0.0, g)  # a start's g decays a zero state: left out
+    gamma_cum = probe("jax_ref gamma_cum", cumsum_rows(g, seg=seg))  # [..., C, K]
+    gamma_C = gamma_cum[..., -1:, :]  # [..., 1, K]
     E = b * k  # [..., C, K]
     Z = w * v  # [..., C, V]
-    e_gamma = jnp.exp(gamma_cum)  # [..., C, K] <= 1
-    E_bar = e_gamma * E  # [..., C, K]
-    Q_tilde = e_gamma * q  # [..., C, K]
-    K_tilde = jnp.exp(gamma_C[..., None, :] - gamma_cum) * k  # [..., C, K]
-    decay_C = jnp.exp(gamma_C)  # [..., K]
+    carry_in, in_last, no_start = (
+        (None,) * 3 if seg is None else (seg.carry_in, seg.in_last, seg.no_start)
+    )
+    e_head = masked_exp(gamma_cum, carry_in)  # [..., C, K] <= 1
+    e_tail = masked_exp(gamma_C - gamma_cum, in_last)  # [..., C, K] <= 1
+    E_bar = e_head * E  # [..., C, K]
+    Q_tilde = e_head * q  # [..., C, K]
+    K_tilde = e_tail * k  # [..., C, K]
+    decay_C = masked_exp(gamma_C[..., 0, :], no_start)  # [..., K]
     # F4: both scores share K and gamma_cum, so they run as one stacked (inclusive) Score; A_kk
     # then drops its diagonal (masking after the fact is exact: the diagonal terms are finite).
-    A_both = score(jnp.stack([E, q]), k, gamma_cum, params.bc, params.clip, strict=False)
+    seg_rows = None if seg is None else seg.seg
+    A_both = score(
+        jnp.stack([E, q]), k, gamma_cum, params.bc, params.clip, strict=False, seg=seg_rows
+    )
     A_kk = probe("jax_ref A_kk", jnp.tril(A_both[0], -1))  # [..., C, C] strictly lower
     A_qk = probe("jax_ref A_qk", A_both[1])  # [..., C, C] lower incl. diagonal
     T = probe("jax_ref T", wy_inverse(A_kk, params.mb, params.wy_eps))  # [..., C, C]
     Y = probe("jax_ref Y", einsum("...rs,...sk->...rk", T, E_bar))  # [..., C, K]
     U = probe("jax_ref U", einsum("...rs,...sv->...rv", T, Z))  # [..., C, V]
-    return ChunkLocal(gamma_cum, decay_C, E, E_bar, Q_tilde, K_tilde, A_qk, T, Y, U)
+    return ChunkLocal(
+        gamma_cum, e_head, e_tail, decay_C, E, E_bar, Q_tilde, K_tilde, A_qk, T, Y, U, seg
+    )

@@ -6,6 +6,9 @@
   an eager call off a TPU without it; a traced call cannot know its target platform yet (a CPU host
   may lower for TPU) and is guarded when it is lowered (``vjp.py``).
 - ``supports()``: chunk lengths of the level scheme (plan.py) whose VMEM byte model fits.
+- Model features (the core's contract, docs/backends.md): packed sequences by ``segment_ids``
+  (resets inside the kernels' chunks) and by ``cu_seqlens`` (varlen.py), and the gate
+  activations and q/k L2 norm applied inside the kernels (activations.py).
 - ``decode``: the decode kernel (kernels_decode.py) for S up to 128 tokens per call, a float32 or
   bfloat16 pool (``supports_decode``: decode_plan.py). No chunk states yet
   (``return_chunk_states`` is refused: ``Capabilities.chunk_states`` is False).
@@ -23,6 +26,7 @@ from gdn2_pallas_tpu.plan import (
     SUPPORTED_HEAD_SIZES,
     check_plan,
     make_plan,
+    varlen_plan,
     vmem_capacity_bytes,
 )
 from gdn2core.plugin import (
@@ -31,7 +35,9 @@ from gdn2core.plugin import (
     Capabilities,
     DecodeSpec,
     KernelConfig,
+    OpExtras,
     OpSpec,
+    SegmentMode,
     Verdict,
     is_tpu_available,
     probe,
@@ -60,6 +66,9 @@ class PallasTpuBackend(Backend):
         trainable=True,
         platforms=("tpu",),
         interpret=True,
+        segments=True,
+        varlen=True,
+        fused_activations=True,
         decode=True,
     )
 
@@ -69,25 +78,42 @@ class PallasTpuBackend(Backend):
         return Verdict(False, reason) if reason else YES
 
     def forward(
-        self, q, k, v, w, b, g, h0, *, spec: OpSpec, config: KernelConfig
+        self, q, k, v, w, b, g, h0, *, spec: OpSpec, config: KernelConfig, extras=None
     ) -> tuple[jax.Array, jax.Array]:
         """The inference forward kernel (see :class:`gdn2core.plugin.Backend`)."""
-        _check_platform(q, config)
-        from gdn2_pallas_tpu.vjp import gdn2_pallas_forward
-
-        plan = make_plan(spec, config, vmem_capacity_bytes(q))
-        o, h_final = gdn2_pallas_forward(q, k, v, w, b, g, h0, plan)
-        return probe("pallas_tpu o", o), probe("pallas_tpu h_final", h_final)
+        return self._call(q, k, v, w, b, g, h0, spec, config, extras, trainable=False)
 
     def forward_trainable(
-        self, q, k, v, w, b, g, h0, *, spec: OpSpec, config: KernelConfig
+        self, q, k, v, w, b, g, h0, *, spec: OpSpec, config: KernelConfig, extras=None
     ) -> tuple[jax.Array, jax.Array]:
         """Forward and backward kernels under one ``jax.custom_vjp``."""
-        _check_platform(q, config)
-        from gdn2_pallas_tpu.vjp import gdn2_pallas_trainable
+        return self._call(q, k, v, w, b, g, h0, spec, config, extras, trainable=True)
 
-        plan = make_plan(spec, config, vmem_capacity_bytes(q))
-        o, h_final = gdn2_pallas_trainable(q, k, v, w, b, g, h0, plan)
+    def _call(self, q, k, v, w, b, g, h0, spec, config, extras, trainable):
+        _check_platform(q, config)
+        from gdn2_pallas_tpu import vjp
+
+        extras = OpExtras() if extras is None else extras
+        act = spec.activations if spec.activations.any else None
+        capacity = vmem_capacity_bytes(q)
+        if spec.segments == SegmentMode.CU_SEQLENS:
+            plan = varlen_plan(spec, config, capacity, act)
+            o, h_final = vjp.gdn2_pallas_varlen(
+                q, k, v, w, b, g, h0, extras.cu_seqlens, plan, trainable,
+                extras.A_log, extras.dt_bias,
+            )  # fmt: skip
+        else:
+            segments = spec.segments == SegmentMode.IDS
+            plan = make_plan(spec, config, capacity, segments=segments, activations=act)
+            ex = vjp.Extras(
+                segment_ids=extras.segment_ids if segments else None,
+                A_log=extras.A_log,
+                dt_bias=extras.dt_bias,
+            )
+            if trainable:
+                o, h_final, _ = vjp.gdn2_pallas_trainable(q, k, v, w, b, g, h0, ex, plan)
+            else:
+                o, h_final, _ = vjp.gdn2_pallas_forward(q, k, v, w, b, g, h0, plan, ex)
         return probe("pallas_tpu o", o), probe("pallas_tpu h_final", h_final)
 
     def supports_decode(self, spec: DecodeSpec, config: KernelConfig) -> Verdict:

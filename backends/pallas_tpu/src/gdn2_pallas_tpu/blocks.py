@@ -160,6 +160,64 @@ class TokenIO:
         return y[:, :T] if self.plan.t_pad != T else y
 
 
+def _starts_index(batch, head_group, step, *, step_of: Callable):
+    """The step's tokens of the ``(B, t_pad, 1)`` sequence-start flags (the same for every head)."""
+    return (batch, step_of(step), I0)
+
+
+def starts_spec(plan: Plan, step_of: Callable) -> pl.BlockSpec:
+    """``(nc C, 1)`` float32 sequence-start flags of a step."""
+    return pl.BlockSpec((None, plan.step_len, 1), functools.partial(_starts_index, step_of=step_of))
+
+
+def load_starts(ref, plan: Plan) -> jax.Array:
+    """The step's start flags as units ``[U, C, 1]`` (every head of a chunk shares them)."""
+    x = ref[...].astype(F32).reshape(1, plan.nc, plan.C, 1)
+    return jnp.broadcast_to(x, (plan.hb, plan.nc, plan.C, 1)).reshape(plan.units, plan.C, 1)
+
+
+def sequence_starts(segment_ids: jax.Array, plan: Plan) -> jax.Array:
+    """(B, T) segment ids -> (B, t_pad, 1) float32: 1.0 where a new sequence starts (the id
+    changes from the previous token; not at token 0, where h0 enters), 0.0 elsewhere and in the
+    padding."""
+    ids = segment_ids.astype(jnp.int32)
+    starts = jnp.concatenate(
+        [jnp.zeros_like(ids[:, :1], dtype=bool), ids[:, 1:] != ids[:, :-1]], axis=1
+    )
+    starts = starts.astype(F32)
+    pad = plan.t_pad - plan.seq_len
+    if pad:
+        starts = jnp.pad(starts, ((0, 0), (0, pad)))
+    return starts[:, :, None]
+
+
+def _head_group_index(batch, head_group, step):
+    """The ``hb`` heads of a head group of an ``(H, ...)`` per-head parameter array."""
+    return (head_group, I0, I0)
+
+
+def gate_params_spec(plan: Plan) -> pl.BlockSpec:
+    """``(hb, 2, K)`` gate parameters (``exp(A_log)``, ``dt_bias``) of the step's heads."""
+    return pl.BlockSpec((plan.hb, 2, plan.dk), _head_group_index)
+
+
+def load_gate_params(ref, plan: Plan) -> jax.Array:
+    """The gate parameters as units ``[U, 2, K]`` (every chunk of a head shares them)."""
+    x = ref[...].astype(F32)[:, None]  # [hb, 1, 2, K]
+    shape = (plan.hb, plan.nc, 2, plan.dk)
+    return jnp.broadcast_to(x, shape).reshape(plan.units, 2, plan.dk)
+
+
+def per_head_sums(x: jax.Array, plan: Plan) -> jax.Array:
+    """Units ``[U, 2, K]`` summed over the chunks of each head: ``[hb, 2, K]``."""
+    return jnp.sum(x.reshape(plan.hb, plan.nc, *x.shape[1:]), axis=1)
+
+
+def hbm_any() -> pl.BlockSpec:
+    """An array left in HBM, read or written by manual DMAs."""
+    return pl.BlockSpec(memory_space=pl.ANY)
+
+
 def state_spec(plan: Plan) -> pl.BlockSpec:
     """``(hb, K, V)`` tile of a ``(B, H, K, V)`` float32 state array."""
     return pl.BlockSpec((None, plan.hb, plan.dk, plan.dv), _state_index)

@@ -4,7 +4,7 @@ Every function works on a batch of units: arrays ``[U, C, d]`` where a unit is o
 ``C`` tokens of one head, so that the chunk-parallel work of all the chunks and heads of a grid
 step runs as batched matrix products whose dependency chains interleave on the MXU.
 
-Decay-safe scores by levels (docs/algorithm.md, "Scores by levels"). ``C = 2^L``. Two rows
+Decay-safe scores by levels (docs/algorithm.md section 10). ``C = 2^L``. Two rows
 ``s < r`` of a chunk are first separated at one level ``l`` (``h = 2^l``): they lie in the same
 aligned ``2h``-block, ``r`` in its lower half and ``s`` in its upper half. Through the block's
 reference row ``p`` (the first row of the lower half; ``s < p <= r``)::
@@ -39,6 +39,7 @@ F32 = jnp.float32
 #: A float32 zero for ``jnp.where``: a Python 0.0 would be a float64 constant inside the kernel
 #: under ``jax_enable_x64``, which Mosaic cannot lower.
 ZERO: Final = np.float32(0.0)
+NEG_INF: Final = np.float32(-np.inf)
 #: Rows of one float32 vector register (a sublane tile).
 NUM_SUBLANES: Final = 8
 #: Log decays below this are raised to it. ``exp`` of anything below about -103.3 is exactly 0 in
@@ -58,17 +59,46 @@ def roll_rows(x: jax.Array, shift: int) -> jax.Array:
     return pltpu.roll(x, jnp.int32(shift % C), 1)  # int32 also under jax_enable_x64
 
 
-def cumsum_rows(x: jax.Array, reverse: bool = False) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """Packed sequences inside a chunk: ``count`` [U, C, 1] int32 is the number of sequence starts
+    at or before each row of its chunk (a start resets the state to zero before that token). Rows
+    r, s are in the same sequence exactly when their counts are equal; a row sees the state
+    entering the chunk when its count is 0, and reaches the chunk's end state when its count is
+    the last row's."""
+
+    count: jax.Array  # [U, C, 1] int32
+
+    @classmethod
+    def from_starts(cls, starts: jax.Array) -> Segments:
+        """``starts`` [U, C, 1] float32 (1.0 at a sequence start)."""
+        return cls(cumsum_rows(starts).astype(jnp.int32))
+
+    @property
+    def last(self) -> jax.Array:
+        """[U, 1, 1] the last row's count."""
+        return self.count[:, -1:, :]
+
+    def same_as_shifted(self, shift: int) -> jax.Array:
+        """[U, C, 1]: row r and row r - shift are in the same sequence (cyclic; callers mask the
+        wrap)."""
+        return self.count == roll_rows(self.count, shift)
+
+
+def cumsum_rows(x: jax.Array, reverse: bool = False, seg: Segments | None = None) -> jax.Array:
     """Inclusive (or reverse inclusive) sum along the rows of ``[U, C, d]``: log2(C) steps of a
-    sublane roll and a masked float32 add."""
+    sublane roll and a masked float32 add. With ``seg``, the sums restart at every sequence start
+    (a step adds a shifted partial sum only from the same sequence: since sequences are
+    contiguous, that partial sum then lies entirely inside it)."""
     C = x.shape[1]
     rows = iota(x.shape, 1)
     shift = 1
     while shift < C:
-        if reverse:
-            x = x + jnp.where(rows < C - shift, roll_rows(x, -shift), ZERO)
-        else:
-            x = x + jnp.where(rows >= shift, roll_rows(x, shift), ZERO)
+        step = -shift if reverse else shift
+        keep = (rows < C - shift) if reverse else (rows >= shift)
+        if seg is not None:
+            keep = keep & seg.same_as_shifted(step)
+        x = x + jnp.where(keep, roll_rows(x, step), ZERO)
         shift *= 2
     return x
 
@@ -86,7 +116,7 @@ def level_pairs(C: int, level: int) -> jax.Array:
 
 
 def _reference_rows(gamma_cum: jax.Array, h: int) -> jax.Array:
-    """Γ at each row's level-``h`` reference row, ``[U, C, K]``.
+    """Γ (or any [U, C, d] array) at each row's level-``h`` reference row.
 
     ``h >= 8``: whole sublane tiles, a reshape and a broadcast. ``h = 2, 4``: inside each 8-row
     tile, a sublane broadcast per reference row (no relayout across tiles)."""
@@ -123,8 +153,13 @@ class Level:
         return jnp.where(self.lower, ZERO, self.F)
 
 
-def decay_levels(gamma_cum: jax.Array, g: jax.Array) -> list[Level]:
-    """The ``L`` levels of a chunk (Γ = ``gamma_cum`` and the clamped ``g``, both [U, C, K])."""
+def decay_levels(gamma_cum: jax.Array, g: jax.Array, seg: Segments | None = None) -> list[Level]:
+    """The ``L`` levels of a chunk (Γ = ``gamma_cum`` and the clamped ``g``, both [U, C, K]).
+
+    With ``seg`` (Γ then restarts at every sequence start), a row in another sequence than its
+    reference row gets the factor 0 (exponent masked to -inf before the exp): every pair across
+    a sequence boundary then has an exactly-zero factor, since one of its rows differs from the
+    reference row between them."""
     U, C, K = gamma_cum.shape
     rows = iota((U, C, K), 1)
     levels = []
@@ -133,9 +168,13 @@ def decay_levels(gamma_cum: jax.Array, g: jax.Array) -> list[Level]:
         lower = (rows & h) != 0
         if h == 1:  # p = r for odd r (factor 1); even s pairs with p = s + 1: exp(g_(s+1))
             expo = jnp.where(lower, ZERO, roll_rows(g, -1))
+            same = None if seg is None else seg.same_as_shifted(-1) | lower
         else:
             ref = _reference_rows(gamma_cum, h)
             expo = jnp.where(lower, gamma_cum - ref, ref - gamma_cum)  # <= 0 on both halves
+            same = None if seg is None else seg.count == _reference_rows(seg.count, h)
+        if same is not None:
+            expo = jnp.where(same, expo, NEG_INF)
         levels.append(Level(lower, jnp.exp(expo)))
     return levels
 
@@ -166,25 +205,35 @@ def clamp_log_decay(g: jax.Array) -> jax.Array:
     return jnp.maximum(g, G_FLOOR)
 
 
-def chunk_local(q, k, v, w, b, g) -> ChunkLocal:
-    """F1-F3 and the decay levels for [U, C, d] float32 inputs (``g`` already clamped)."""
+def chunk_local(q, k, v, w, b, g, seg: Segments | None = None) -> ChunkLocal:
+    """F1-F3 and the decay levels for [U, C, d] float32 inputs (``g`` already clamped).
+
+    With ``seg`` (packed sequences): Γ restarts at every sequence start; exp(Γ) (the decay from
+    the chunk's entry state) is 0 on rows after a start in the chunk, exp(Γ_C - Γ) (to the
+    chunk's end state) is 0 on rows before its last start, and γ_C is 0 when the chunk contains
+    a start. All by exponents masked to -inf, so no value of another sequence ever enters."""
     C = k.shape[1]
-    gamma_cum = cumsum_rows(g)  # [U, C, K] F1
+    gamma_cum = cumsum_rows(g, seg=seg)  # [U, C, K] F1
     gamma_last = gamma_cum[:, C - 1 : C, :]  # [U, 1, K] Γ_C
-    e_gamma = jnp.exp(gamma_cum)  # [U, C, K] <= 1
-    e_tail = jnp.exp(gamma_last - gamma_cum)  # [U, C, K] <= 1
+    to_entry, to_end, whole = gamma_cum, gamma_last - gamma_cum, gamma_last
+    if seg is not None:
+        to_entry = jnp.where(seg.count == 0, to_entry, NEG_INF)  # [U, C, K]
+        to_end = jnp.where(seg.count == seg.last, to_end, NEG_INF)  # [U, C, K]
+        whole = jnp.where(seg.last == 0, whole, NEG_INF)  # [U, 1, K]
+    e_gamma = jnp.exp(to_entry)  # [U, C, K] <= 1
+    e_tail = jnp.exp(to_end)  # [U, C, K] <= 1
     E = b * k  # [U, C, K] F2
     return ChunkLocal(
         gamma_cum=gamma_cum,
         e_gamma=e_gamma,
         e_tail=e_tail,
-        decay_C=jnp.exp(gamma_last),
+        decay_C=jnp.exp(whole),
         E=E,
         Z=w * v,  # [U, C, V]
         E_bar=e_gamma * E,  # F3
         Q_tilde=e_gamma * q,
         K_tilde=e_tail * k,
-        levels=decay_levels(gamma_cum, g),
+        levels=decay_levels(gamma_cum, g, seg),
     )
 
 

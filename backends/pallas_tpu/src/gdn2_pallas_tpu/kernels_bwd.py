@@ -24,7 +24,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from gdn2_pallas_tpu import blocks
+from gdn2_pallas_tpu import activations as act
+from gdn2_pallas_tpu import blocks, varlen
 from gdn2_pallas_tpu import chunk_math as cm
 from gdn2_pallas_tpu.cost import cost_backward
 from gdn2_pallas_tpu.matmul import MatmulPrecision, mm, mm_nt, mm_tn
@@ -45,26 +46,45 @@ class BackwardRefs:
     b: tuple
     g: tuple
     dO: tuple  # ... V
+    starts: object | None  # [nc C, 1] f32 sequence starts (plan.segments)
+    gate_params: object | None  # [hb, 2, K] f32 exp(A_log), dt_bias (plan.gate)
+    table: object | None  # SMEM [3, n_chunks] int32 chunk table (plan.varlen, varlen.py)
+    seq_h0: object | None  # [N, H, K, V] f32 in HBM: per-sequence initial states (plan.varlen)
+    seq_dh_final: object | None  # [N, H, K, V] f32 in HBM (plan.varlen)
     TA: object  # [U / pack, C, pack C] saved A_qk (lower, diagonal), T^T (upper), lane-packed
     state_in: object  # [hb, K, V] f32 saved state entering the step
     dh_final: object  # [hb, K, V] f32
     grads: tuple  # dq, dk, dv, dw, db, dg: in HBM (HEAD_MAJOR), or [nc C, hb, d] blocks
     dh0: object  # [hb, K, V] f32
+    d_gate: object | None  # [hb, 2, K] f32 this step's sums for dA_log, d dt_bias (plan.gate)
+    seq_dh0: object | None  # [N, H, K, V] f32 in HBM: per-sequence dh0 (plan.varlen)
     # Scratch.
     dS: object  # [hb, K, V] f32 gradient of the state leaving the step
+    seq_buf: object | None  # [hb, K, V] f32 staging of per-sequence states (plan.varlen)
+    seq_tmp: object | None  # [hb, K, V] f32 a state that a DMA may replace (plan.varlen)
+    seq_sem: object | None  # its DMA semaphore
     stages: tuple  # 6 x [hb, nc C, d] gradient staging for the DMAs (HEAD_MAJOR), else Nones
     sems: object | None  # DMA semaphores (6, hb) (HEAD_MAJOR)
 
     @classmethod
     def unpack(cls, refs, io: blocks.TokenIO) -> BackwardRefs:
-        n = io.refs_per_array
+        plan, n = io.plan, io.refs_per_array
         tiles = [tuple(refs[i * n : (i + 1) * n]) for i in range(7)]
         rest = list(refs[7 * n :])
-        TA, state_in, dh_final = rest[:3]
-        grads, dh0, dS = tuple(rest[3:9]), rest[9], rest[10]
-        staging = rest[11:]
-        stages, sems = (tuple(staging[:6]), staging[6]) if staging else ((None,) * 6, None)
-        return cls(*tiles, TA, state_in, dh_final, grads, dh0, dS, stages, sems)
+        take = lambda on: rest.pop(0) if on else None  # noqa: E731
+        starts, gate_params = take(plan.segments), take(plan.gate)
+        table, seq_h0, seq_dh_final = take(plan.varlen), take(plan.varlen), take(plan.varlen)
+        TA, state_in, dh_final = rest.pop(0), rest.pop(0), rest.pop(0)
+        grads = tuple(rest.pop(0) for _ in range(6))
+        dh0 = rest.pop(0)
+        d_gate, seq_dh0 = take(plan.gate), take(plan.varlen)
+        dS = rest.pop(0)
+        seq_buf, seq_tmp, seq_sem = take(plan.varlen), take(plan.varlen), take(plan.varlen)
+        stages, sems = (tuple(rest[:6]), rest[6]) if rest else ((None,) * 6, None)
+        return cls(
+            *tiles, starts, gate_params, table, seq_h0, seq_dh_final, TA, state_in, dh_final,
+            grads, dh0, d_gate, seq_dh0, dS, seq_buf, seq_tmp, seq_sem, stages, sems,
+        )  # fmt: skip
 
 
 def _backward_kernel(*refs, plan: Plan):
@@ -80,11 +100,17 @@ def _backward_kernel(*refs, plan: Plan):
     def _():
         r.dS[...] = r.dh_final[...]
 
-    q, k, b = (io.load(x, K) for x in (r.q, r.k, r.b))  # [U, C, K]
-    g_in = io.load(r.g, K)  # [U, C, K]
-    g = cm.clamp_log_decay(g_in)
+    q, k, b, g_raw = (io.load(x, K) for x in (r.q, r.k, r.b, r.g))  # [U, C, K]
     v, w, dO = (io.load(x, V) for x in (r.v, r.w, r.dO))  # [U, C, V]
-    L = cm.chunk_local(q, k, v, w, b, g)
+    g_in = g_raw
+    if plan.fused:  # re-activate the raw inputs (nothing activated was saved)
+        gp = None if r.gate_params is None else blocks.load_gate_params(r.gate_params, plan)
+        valid = act.valid_rows(plan, step)  # [U, C, 1]
+        x = act.activate(q, k, b, w, g_raw, gp, plan.activations, plan.l2norm_eps, valid)
+        q, k, b, w, g_in = x.q, x.k, x.b, x.w, x.g
+    g = cm.clamp_log_decay(g_in)
+    seg = None if r.starts is None else cm.Segments.from_starts(blocks.load_starts(r.starts, plan))
+    L = cm.chunk_local(q, k, v, w, b, g, seg)
     TA = blocks.unpack_lanes(r.TA[...].astype(F32), plan)  # [U, C, C]
     rr, ss = cm.iota((C, C), 0), cm.iota((C, C), 1)
     A_qk = jnp.where(ss <= rr, TA, cm.ZERO)  # [U, C, C]
@@ -94,10 +120,23 @@ def _backward_kernel(*refs, plan: Plan):
     YU = mm_tn(T_t, jnp.concatenate([L.E_bar, L.Z], axis=2), p.wy)  # [U, C, K + V] F6: T [Ē | Z]
     Y, U = YU[:, :, :K], YU[:, :, K:]
 
+    seqs = None
+    if plan.varlen:  # per-sequence states at chunk boundaries (varlen.py)
+        seqs = varlen.SequenceStates(plan, r.table, None, r.seq_buf, r.seq_sem, head_group, step)
+
+    def replaced(value, j, hbm, when):
+        """``value``, or the per-sequence state in ``hbm`` of chunk j when ``when``."""
+        r.seq_tmp[...] = value
+        seqs.hbm = hbm
+        seqs.read(j, when, r.seq_tmp)
+        return r.seq_tmp[...]
+
     # Pass 0: entry states and residual writes of the step's chunks.
     S = r.state_in[...]  # [hb, K, V]
     S_in, R_all = [], []
     for j in range(plan.nc):
+        if seqs is not None:  # a sequence's first chunk starts from its own h0
+            S = replaced(S, j, r.seq_h0, seqs.is_first(j))
         R = chunk(U, j) - mm(chunk(Y, j), S, p.state)  # [hb, C, V] F7
         S_in.append(S)
         R_all.append(R)
@@ -107,6 +146,8 @@ def _backward_kernel(*refs, plan: Plan):
     dS = r.dS[...]  # [hb, K, V] w.r.t. the state leaving the step
     dS_out, dR_all = [None] * plan.nc, [None] * plan.nc
     for j in reversed(range(plan.nc)):
+        if seqs is not None:  # a sequence's last chunk: the gradient of its h_final
+            dS = replaced(dS, j, r.seq_dh_final, seqs.is_last(j))
         dO_j = chunk(dO, j)  # [hb, C, V]
         dR = scale * mm_tn(chunk(A_qk, j), dO_j, p.state) + mm(
             chunk(L.K_tilde, j), dS, p.state
@@ -117,6 +158,9 @@ def _backward_kernel(*refs, plan: Plan):
             + scale * mm_tn(chunk(L.Q_tilde, j), dO_j, p.state)
             - mm_tn(chunk(Y, j), dR, p.state)
         )  # [hb, K, V] w.r.t. the state entering chunk j
+        if seqs is not None:  # a sequence's first chunk: the gradient of its h0
+            seqs.hbm = r.seq_dh0
+            seqs.write(j, seqs.is_first(j), dS)
     r.dS[...] = dS
 
     @pl.when(i == n_steps - 1)
@@ -154,10 +198,18 @@ def _backward_kernel(*refs, plan: Plan):
     # through the reverse cumsum (K̃ of the last real token has factor exp(0), also when the
     # chunk ends in padding).
     rows = cm.iota(dKK.shape, 1)
-    dKK_before = cm.cumsum_rows(jnp.where(rows >= 1, cm.roll_rows(dKK, 1), cm.ZERO))  # sum_(r<t)
-    dg = cm.cumsum_rows(d_gamma, reverse=True) + dKK_before
+    previous = rows >= 1 if seg is None else (rows >= 1) & seg.same_as_shifted(1)
+    dKK_before = cm.cumsum_rows(jnp.where(previous, cm.roll_rows(dKK, 1), cm.ZERO), seg=seg)
+    dg = cm.cumsum_rows(d_gamma, reverse=True, seg=seg) + dKK_before  # sums inside a sequence
     dg = jnp.where(g_in >= cm.G_FLOOR, dg, cm.ZERO)  # the clamp's gradient
-    grads = (dq, dk, dZ * w, dZ * v, db, dg)  # B6: dv = dZ ⊙ w, dw = dZ ⊙ v
+    dv, dw = dZ * w, dZ * v  # B6
+    if plan.fused:  # gradients of the raw inputs, and this step's dA_log / d dt_bias sums
+        dq, dk, db, dw, dg, partial = act.raw_gradients(
+            x, g_raw, gp, plan.activations, valid, dq, dk, db, dw, dg
+        )
+        if partial is not None:
+            r.d_gate[...] = blocks.per_head_sums(partial, plan)  # [hb, 2, K]
+    grads = (dq, dk, dv, dw, db, dg)
     copies = []
     for m, (x, out, stage) in enumerate(zip(grads, r.grads, r.stages, strict=True)):
         sems = None if r.sems is None else r.sems.at[jnp.int32(m)]
@@ -166,8 +218,13 @@ def _backward_kernel(*refs, plan: Plan):
         copy.wait()
 
 
-def backward_call(q, k, v, w, b, g, dO, TA, states, dh_final, *, plan: Plan):
-    """Kernel-layout inputs and dO, residuals, dh_final -> (dq, dk, dv, dw, db, dg, dh0)."""
+def backward_call(
+    q, k, v, w, b, g, dO, starts, gate_params, table, seq_h0, seq_dh_final, TA, states,
+    dh_final, *, plan: Plan,
+):  # fmt: skip
+    """Kernel-layout inputs and dO, sequence starts and gate parameters (or None), residuals,
+    dh_final -> (dq, dk, dv, dw, db, dg, dh0), and with a fused gate the per-step sums
+    ``(B, H / hb, n_steps, hb, 2, K)`` of dA_log (row 0, per channel) and d dt_bias (row 1)."""
     B, H, K, V, hb = plan.batch, plan.heads, plan.dk, plan.dv, plan.hb
     step_of = blocks.reverse_step(plan.n_steps)
     io = blocks.TokenIO(plan, step_of)
@@ -175,6 +232,9 @@ def backward_call(q, k, v, w, b, g, dO, TA, states, dh_final, *, plan: Plan):
     state = blocks.state_spec(plan)
     in_specs = [
         *keys, *keys, *vals, *vals, *keys, *keys, *vals,  # q k v w b g dO
+        *([blocks.starts_spec(plan, step_of)] if plan.segments else []),
+        *([blocks.gate_params_spec(plan)] if plan.gate else []),
+        *([pl.BlockSpec(memory_space=pltpu.SMEM), blocks.hbm_any(), blocks.hbm_any()] if plan.varlen else []),
         blocks.residual_spec(plan, plan.residual_block, step_of),  # T^T | A_qk
         blocks.residual_spec(plan, (hb, K, V), step_of),  # step entry states
         state,  # dh_final
@@ -182,14 +242,24 @@ def backward_call(q, k, v, w, b, g, dO, TA, states, dh_final, *, plan: Plan):
     dims = (K, K, V, V, K, K)
     out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, w, b, g)]
     out_shape.append(jax.ShapeDtypeStruct((B, H, K, V), F32))  # dh0
-    scratch = [pltpu.VMEM((hb, K, V), F32), *io.out_scratch(dims, q.dtype)]  # dS; staging
+    out_specs = [io.out_spec(d) for d in dims] + [state]
+    if plan.gate:  # per-step partial sums of dA_log and d dt_bias
+        out_shape.append(jax.ShapeDtypeStruct((B, plan.head_groups, plan.n_steps, hb, 2, K), F32))
+        out_specs.append(blocks.residual_spec(plan, (hb, 2, K), step_of))
+    if plan.varlen:  # per-sequence dh0, written by DMAs
+        out_shape.append(jax.ShapeDtypeStruct(seq_h0.shape, F32))
+        out_specs.append(blocks.hbm_any())
+    scratch = [pltpu.VMEM((hb, K, V), F32)]  # dS
+    if plan.varlen:  # staging and a replaceable state for the per-sequence DMAs
+        scratch += [pltpu.VMEM((hb, K, V), F32)] * 2 + [pltpu.SemaphoreType.DMA(())]
+    scratch += io.out_scratch(dims, q.dtype)  # gradient staging
     args = [a for x in (q, k, v, w, b, g, dO) for a in io.args(x)]
     return pl.pallas_call(
         functools.partial(_backward_kernel, plan=plan),
         out_shape=out_shape,
         grid=plan.grid(),
         in_specs=in_specs,
-        out_specs=[io.out_spec(d) for d in dims] + [state],
+        out_specs=out_specs,
         scratch_shapes=scratch,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
@@ -198,4 +268,10 @@ def backward_call(q, k, v, w, b, g, dO, TA, states, dh_final, *, plan: Plan):
         cost_estimate=pl.CostEstimate(**cost_backward(plan)),
         interpret=blocks.interpret_params(plan),
         name="gdn2_bwd",
-    )(*args, TA, states, dh_final)
+    )(
+        *args,
+        *([starts] if plan.segments else []),
+        *([gate_params] if plan.gate else []),
+        *([table, seq_h0, seq_dh_final] if plan.varlen else []),
+        TA, states, dh_final,
+    )  # fmt: skip

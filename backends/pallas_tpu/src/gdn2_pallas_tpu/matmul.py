@@ -14,7 +14,7 @@ that TPU interpret mode on a CPU computes what the TPU computes:
 - ``F32``: ``Precision.HIGHEST`` (the full float32 product, about six passes); for the few tiny
   products whose exactness matters more than their cost.
 
-docs/algorithm.md ("Precision of the Pallas kernels") has the measured errors of each choice.
+docs/algorithm.md section 10 ("Precision") has the measured errors of each choice.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from gdn2_pallas_tpu.matmul import MatmulPrecision
-from gdn2core.plugin import KernelConfig, OpSpec
+from gdn2core.plugin import L2NORM_EPS, KernelConfig, OpSpec
 
 F32_BYTES: Final = 4
 #: Lanes and (float32) sublanes of a vector register: the TPU tile.
@@ -147,6 +147,25 @@ class Plan:
     precisions: Precisions
     vmem_limit_bytes: int
     interpret: bool
+    segments: bool = False  # packed sequences (segment_ids): resets inside chunks
+    activations: object = None  # gdn2core Activations applied in the kernels, or None
+    l2norm_eps: float = L2NORM_EPS
+    n_seqs: int = 0  # cu_seqlens: the number of packed sequences (varlen.py); 0 otherwise
+
+    @property
+    def varlen(self) -> bool:
+        """Per-sequence states at chunk boundaries (``cu_seqlens``, varlen.py)."""
+        return self.n_seqs > 0
+
+    @property
+    def fused(self) -> bool:
+        """Whether the kernels activate their raw inputs (activations.py)."""
+        return self.activations is not None and self.activations.any
+
+    @property
+    def gate(self) -> bool:
+        """Whether the kernels take the gate parameters (``exp(A_log)``, ``dt_bias``)."""
+        return self.fused and self.activations.gate != "none"
 
     @property
     def units(self) -> int:
@@ -231,6 +250,8 @@ def make_plan(
     config: KernelConfig,
     vmem_capacity: int | None = None,
     precisions: Precisions | None = None,
+    segments: bool = False,
+    activations: object = None,
 ) -> Plan:
     """The plan of one call (see the module docstring for the choices)."""
     capacity = vmem_capacity_bytes() if vmem_capacity is None else vmem_capacity
@@ -263,6 +284,8 @@ def make_plan(
             precisions=precs.for_interpret() if config.interpret else precs,
             vmem_limit_bytes=capacity,
             interpret=bool(config.interpret),
+            segments=segments,
+            activations=activations,
         )
         need = max(vmem_bytes(plan, False)["total"], vmem_bytes(plan, True)["total"])
         if need <= budget or (nc == 1 and hb == 1):
@@ -289,3 +312,13 @@ def check_plan(spec: OpSpec, config: KernelConfig) -> str | None:
                 f"{budget / 2**20:.0f} MiB of {plan.vmem_limit_bytes / 2**20:.0f} MiB); use a smaller bt"
             )
     return None
+
+
+def varlen_plan(spec: OpSpec, config: KernelConfig, vmem_capacity: int, activations=None) -> Plan:
+    """The plan of a ``cu_seqlens`` call: the chunk-aligned row of ``spec.n_seqs`` sequences
+    (varlen.py), one batch row."""
+    from gdn2_pallas_tpu import varlen
+
+    plan = make_plan(spec, config, vmem_capacity, activations=activations)
+    t_pad = varlen.padded_length(spec.seq_len, spec.n_seqs, plan.C, plan.step_len)
+    return dataclasses.replace(plan, batch=1, seq_len=t_pad, n_seqs=spec.n_seqs)

@@ -24,9 +24,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from gdn2_pallas_tpu.blocks import TokenIO, forward_step
+from gdn2_pallas_tpu import varlen
+from gdn2_pallas_tpu.blocks import TokenIO, forward_step, sequence_starts
 from gdn2_pallas_tpu.kernels_bwd import backward_call
 from gdn2_pallas_tpu.kernels_fwd import forward_call
 from gdn2_pallas_tpu.plan import Plan
@@ -40,7 +42,7 @@ CPU_MESSAGE = (
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["q", "k", "v", "w", "b", "g", "TA", "states"],
+    data_fields=["q", "k", "v", "w", "b", "g", "starts", "TA", "states"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,7 @@ class Residuals:
     w: jax.Array
     b: jax.Array
     g: jax.Array
+    starts: jax.Array | None  # [B, t_pad, 1] f32 sequence starts (packed sequences), or None
     TA: jax.Array  # [B, H / hb, n_steps, U, C, C] A_qk (lower) and T^T (strictly upper) per chunk
     states: jax.Array  # [B, H / hb, n_steps, hb, K, V] f32 state entering every step
 
@@ -62,7 +65,20 @@ def _raise_not_tpu(*_):
 
 
 def _on_tpu_only(fn, plan: Plan, *args):
-    """Run ``fn(*args)`` (kernels) on TPU; elsewhere fail at run time with ``CPU_MESSAGE``."""
+    """Run ``fn(*args)`` (kernels) on TPU; elsewhere fail at run time with ``CPU_MESSAGE``.
+    ``None`` arguments (absent optional inputs) are passed through to ``fn`` as they are."""
+    present = [i for i, a in enumerate(args) if a is not None]
+
+    def with_nones(*arrays):
+        full = [None] * len(args)
+        for i, a in zip(present, arrays, strict=True):
+            full[i] = a
+        return fn(*full)
+
+    return _on_tpu_only_arrays(with_nones, plan, *(args[i] for i in present))
+
+
+def _on_tpu_only_arrays(fn, plan: Plan, *args):
     if plan.interpret:
         return fn(*args)
     out_shapes = jax.eval_shape(fn, *args)
@@ -74,70 +90,185 @@ def _on_tpu_only(fn, plan: Plan, *args):
 
 
 def _fold_vmap(kernel_call, plan: Plan):
-    """``kernel_call(*args, plan=plan)`` (all args and results lead with B), under ``jax.vmap``
-    run once on the mapped axis folded into B."""
+    """``kernel_call(*args)`` (every array argument and result leads with B; ``None`` arguments
+    pass through), under ``jax.vmap`` run once on the mapped axis folded into B."""
 
-    @jax.custom_batching.custom_vmap
     def call(*args):
-        return tuple(kernel_call(*args, plan=plan))
+        present = [i for i, a in enumerate(args) if a is not None]
 
-    @call.def_vmap
-    def _rule(axis_size, in_batched, *args):
-        args = [
-            x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
-            for x, batched in zip(args, in_batched, strict=True)
-        ]
-        folded = [x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in args]
-        plan_n = dataclasses.replace(plan, batch=axis_size * plan.batch)
-        outs = _fold_vmap(kernel_call, plan_n)(*folded)
-        outs = tuple(y.reshape(axis_size, plan.batch, *y.shape[1:]) for y in outs)
-        return outs, (True,) * len(outs)
+        @jax.custom_batching.custom_vmap
+        def arrays_call(*arrays):
+            full = [None] * len(args)
+            for i, a in zip(present, arrays, strict=True):
+                full[i] = a
+            return tuple(kernel_call(*full))
+
+        @arrays_call.def_vmap
+        def _rule(axis_size, in_batched, *arrays):
+            if plan.varlen:
+                raise NotImplementedError(
+                    "gdn2 pallas_tpu: jax.vmap of a cu_seqlens call is not supported (the packed "
+                    "row is one batch row); pack the sequences of every call into one row instead"
+                )
+            arrays = [
+                x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+                for x, batched in zip(arrays, in_batched, strict=True)
+            ]
+            folded = [x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in arrays]
+            full = [None] * len(args)
+            for i, a in zip(present, folded, strict=True):
+                full[i] = a
+            plan_n = dataclasses.replace(plan, batch=axis_size * plan.batch)
+            outs = _fold_vmap(_with_plan(kernel_call, plan_n), plan_n)(*full)
+            outs = tuple(y.reshape(axis_size, plan.batch, *y.shape[1:]) for y in outs)
+            return outs, (True,) * len(outs)
+
+        return arrays_call(*(args[i] for i in present))
 
     return call
+
+
+def _with_plan(kernel_call, plan: Plan):
+    """The same kernel call with another plan (``kernel_call`` is a partial with ``plan=``)."""
+    return functools.partial(
+        kernel_call.func, *kernel_call.args, **{**kernel_call.keywords, "plan": plan}
+    )
 
 
 def _io(plan: Plan) -> TokenIO:
     return TokenIO(plan, forward_step)
 
 
-def _forward(q, k, v, w, b, g, h0, plan: Plan, save: bool):
+def _gate_params(A_log, dt_bias, plan: Plan):
+    """(H, 2, K) float32: row 0 ``exp(A_log)``, row 1 ``dt_bias`` (zeros when absent); None
+    without a fused gate."""
+    if not plan.gate:
+        return None
+    a = jnp.broadcast_to(jnp.exp(A_log.astype(jnp.float32))[:, None], (plan.heads, plan.dk))
+    dt = jnp.zeros_like(a) if dt_bias is None else dt_bias.astype(jnp.float32)
+    return jnp.stack([a, dt], axis=1)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["segment_ids", "A_log", "dt_bias", "table", "seq_h0"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class Extras:
+    """The optional inputs of a call (None when absent): packed sequences (``segment_ids``
+    (B, T); or the cu_seqlens chunk table (3, n_chunks) and per-sequence initial states
+    (N, H, K, V), varlen.py) and the fused gate's parameters (``A_log`` (H,), ``dt_bias`` (H, K))."""
+
+    segment_ids: jax.Array | None = None
+    A_log: jax.Array | None = None
+    dt_bias: jax.Array | None = None
+    table: jax.Array | None = None
+    seq_h0: jax.Array | None = None
+
+
+NO_EXTRAS = Extras()
+
+
+def _forward(q, k, v, w, b, g, h0, ex: Extras, plan: Plan, save: bool):
+    """The forward kernel: ``(o, h_final, seq_h_final | None, saved, residual outputs)``."""
     xs = [_io(plan).to_kernel(x) for x in (q, k, v, w, b, g)]
-    call = _fold_vmap(functools.partial(forward_call, save=save), plan)
-    outs = _on_tpu_only(call, plan, *xs, h0.astype(jnp.float32))
-    return _io(plan).from_kernel(outs[0]), outs[1], xs, outs[2:]
+    starts = None if ex.segment_ids is None else sequence_starts(ex.segment_ids, plan)
+    gate = _gate_params(ex.A_log, ex.dt_bias, plan)
+    call = functools.partial(forward_call, plan=plan, save=save)
+    outs = _on_tpu_only(
+        _fold_vmap(call, plan), plan, *xs, starts, gate, ex.table, ex.seq_h0, h0.astype(jnp.float32)
+    )
+    o, h_final, *outs = outs
+    seq_h_final = outs.pop(0) if plan.varlen else None
+    return _io(plan).from_kernel(o), h_final, seq_h_final, (xs, starts, gate), tuple(outs)
 
 
-def gdn2_pallas_forward(q, k, v, w, b, g, h0, plan: Plan):
-    """Inference forward: ``(o, h_final)``, no residuals written."""
-    o, h_final, _, _ = _forward(q, k, v, w, b, g, h0, plan, save=False)
-    return o, h_final
+def gdn2_pallas_forward(q, k, v, w, b, g, h0, plan: Plan, extras: Extras = NO_EXTRAS):
+    """Inference forward: ``(o, h_final, seq_h_final)`` (the last None without cu_seqlens), no
+    residuals written."""
+    o, h_final, seq_h_final, _, _ = _forward(q, k, v, w, b, g, h0, extras, plan, False)
+    return o, h_final, seq_h_final
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def gdn2_pallas_trainable(q, k, v, w, b, g, h0, plan: Plan):
-    """Differentiable forward: gradients in q, k, v, w, b, g, h0 by the backward kernel."""
-    return gdn2_pallas_forward(q, k, v, w, b, g, h0, plan)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def gdn2_pallas_trainable(q, k, v, w, b, g, h0, extras: Extras, plan: Plan):
+    """Differentiable forward: ``(o, h_final, seq_h_final)``; gradients in q, k, v, w, b, g, h0,
+    and in the gate parameters and per-sequence initial states of ``extras``, by the backward
+    kernel."""
+    return gdn2_pallas_forward(q, k, v, w, b, g, h0, plan, extras)
 
 
-def _vjp_fwd(q, k, v, w, b, g, h0, plan: Plan):
-    o, h_final, xs, (TA, states) = _forward(q, k, v, w, b, g, h0, plan, save=True)
-    return (o, h_final), Residuals(*xs, TA=TA, states=states)
+def _vjp_fwd(q, k, v, w, b, g, h0, extras: Extras, plan: Plan):
+    o, h_final, seq_h_final, (xs, starts, gate), (TA, states) = _forward(
+        q, k, v, w, b, g, h0, extras, plan, save=True
+    )
+    res = Residuals(*xs, starts=starts, TA=TA, states=states)
+    return (o, h_final, seq_h_final), (res, gate, extras)
 
 
-def _vjp_bwd(plan: Plan, res: Residuals, cotangents):
-    do, dh_final = cotangents
+def _vjp_bwd(plan: Plan, saved, cotangents):
+    res, gate, ex = saved
+    do, dh_final, d_seq_h_final = cotangents
     do_k = _io(plan).to_kernel(do.astype(res.v.dtype))
-    call = _fold_vmap(backward_call, plan)
-    *grads, dh0 = _on_tpu_only(
+    if plan.varlen and d_seq_h_final is None:
+        d_seq_h_final = jnp.zeros_like(ex.seq_h0)
+    call = _fold_vmap(functools.partial(backward_call, plan=plan), plan)
+    outs = _on_tpu_only(
         call,
         plan,
         *(res.q, res.k, res.v, res.w, res.b, res.g),
         do_k,
+        res.starts,
+        gate,
+        ex.table,
+        ex.seq_h0,
+        None if not plan.varlen else d_seq_h_final.astype(jnp.float32),
         res.TA,
         res.states,
         dh_final.astype(jnp.float32),
     )
-    return (*(_io(plan).from_kernel(x) for x in grads), dh0)
+    grads, dh0, outs = outs[:6], outs[6], list(outs[7:])
+    d_gate = outs.pop(0) if plan.gate else None
+    d_seq_h0 = outs.pop(0) if plan.varlen else None
+    dA_log = d_dt = None
+    if d_gate is not None:  # (B, H / hb, steps, hb, 2, K) per-step sums -> (H, 2, K)
+        sums = jnp.sum(d_gate, axis=(0, 2)).reshape(plan.heads, 2, plan.dk)
+        dA_log = jnp.sum(sums[:, 0], axis=1).astype(ex.A_log.dtype)
+        d_dt = None if ex.dt_bias is None else sums[:, 1].astype(ex.dt_bias.dtype)
+    d_ex = Extras(
+        segment_ids=_no_gradient(ex.segment_ids),
+        A_log=dA_log,
+        dt_bias=d_dt,
+        table=_no_gradient(ex.table),
+        seq_h0=d_seq_h0,
+    )
+    return (*(_io(plan).from_kernel(x) for x in grads), dh0, d_ex)
+
+
+def _no_gradient(x):
+    """The cotangent of an integer input (float0 zeros), or None."""
+    return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
 
 
 gdn2_pallas_trainable.defvjp(_vjp_fwd, _vjp_bwd)
+
+
+def gdn2_pallas_varlen(q, k, v, w, b, g, seq_h0, cu_seqlens, plan: Plan, trainable: bool,
+                       A_log=None, dt_bias=None):  # fmt: skip
+    """Packed sequences by ``cu_seqlens`` (varlen.py): q..g ``(1, T, H, d)``, ``seq_h0``
+    ``(N, H, K, V)``; ``plan`` is the plan of the chunk-aligned row (``seq_len = t_pad``,
+    ``n_seqs = N``). Returns ``(o, seq_h_final)``."""
+    lay = varlen.layout(cu_seqlens, q.shape[1], plan.C, plan.t_pad)
+    xs = [varlen.to_padded(x, lay) for x in (q, k, v, w, b)]
+    # A padding token must leave the state unchanged: g = 0, or with a fused gate the raw value
+    # whose activation is 0 (softplus(-inf) = sigmoid(-inf) = 0).
+    g_fill = -jnp.inf if plan.gate else 0.0
+    xs.append(varlen.to_padded(g, lay, fill=g_fill))
+    h0 = jnp.zeros((1, plan.heads, plan.dk, plan.dv), jnp.float32)
+    ex = Extras(A_log=A_log, dt_bias=dt_bias, table=lay.table, seq_h0=seq_h0.astype(jnp.float32))
+    if trainable:
+        o, _, seq_h_final = gdn2_pallas_trainable(*xs, h0, ex, plan)
+    else:
+        o, _, seq_h_final = gdn2_pallas_forward(*xs, h0, plan, ex)
+    return varlen.from_padded(o, lay), seq_h_final

@@ -18,7 +18,9 @@ def estimated_bytes(spec) -> int:
 class ScanBaselineBackend(Backend):
     name = "scan_baseline"
     priority = 10
-    capabilities = Capabilities(auto=False)  # a baseline: only used when named
+    # A baseline: only used when named. Packed sequences of both kinds; the activations are
+    # applied by the core (in XLA) before the scan.
+    capabilities = Capabilities(auto=False, segments=True, varlen=True)
 
     def supports(self, spec, config) -> Verdict:
         """Refuses shapes whose scan would not fit in memory (the reason gives the bytes)."""
@@ -32,6 +34,9 @@ class ScanBaselineBackend(Backend):
             )
         return YES
 
-    def forward(self, q, k, v, w, b, g, h0, *, spec, config):
+    def forward(self, q, k, v, w, b, g, h0, *, spec, config, extras=None):
         """The associative scan (autodiff gradients)."""
-        return gdn2_associative_scan(q, k, v, w, b, g, h0, spec.scale)
+        seg = cu = None
+        if extras is not None:
+            seg, cu = extras.segment_ids, extras.cu_seqlens
+        return gdn2_associative_scan(q, k, v, w, b, g, h0, spec.scale, seg, cu)

@@ -9,6 +9,14 @@ Maps compose as ``(A2, B2) o (A1, B1) = (A2 A1, A2 B1 + B2)``, which is associat
 maps come from one parallel scan; the prefix states are ``S_t = A_{1..t} h0 + B_{1..t}`` and the
 outputs ``o_t = scale * S_t^T q_t``. Gradients are JAX autodiff of this program.
 
+Packed sequences: a sequence start resets the state, so the map of a start token forgets what
+came before: ``A_t = 0`` (the state multiplied by 0; ``jnp.where``, so a non-finite earlier map
+cannot leak a NaN). With ``segment_ids`` the maps of the starts after token 0 are
+``(0, B_t)``; with ``cu_seqlens`` the start of sequence n is ``(0, A_t h0[n] + B_t)`` (it starts
+from its own h0) and ``h_final[n]`` is the prefix state at its last token (``h0[n]`` when it is
+empty). Since every product with an exact zero map is an exact zero, no sequence's result depends
+on another's tokens, bit for bit.
+
 It shares no derivation with the chunked WY backends, which makes it an independent check; its
 memory grows as ``T * dk * (dk + dv)`` per (batch, head), which makes it slow.
 """
@@ -17,9 +25,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
-from gdn2core.plugin import state_dtype
+from gdn2core.plugin import segment_starts, state_dtype, varlen_layout
 
 # Peak temporary bytes of the jitted value_and_grad in units of one [B, H, T, dk, dk + dv] float32
 # buffer: the per-token maps, the scan's sweep partials, the prefix states and their cotangents.
@@ -43,9 +51,23 @@ def gdn2_associative_scan(
     w: Float[Array, "B T H dv"],
     b: Float[Array, "B T H dk"],
     g: Float[Array, "B T H dk"],
-    h0: Float[Array, "B H dk dv"],
+    h0: Float[Array, "L H dk dv"],
     scale: float,
-) -> tuple[Float[Array, "B T H dv"], Float[Array, "B H dk dv"]]:
+    segment_ids: Int[Array, "B T"] | None = None,
+    cu_seqlens: Int[Array, " N1"] | None = None,
+) -> tuple[Float[Array, "B T H dv"], Float[Array, "L H dk dv"]]:
+    """The operator as one associative scan (see the module docstring).
+
+    Args:
+        q, k, v, w, b, g: the inputs; h0: ``(B, H, dk, dv)``, or ``(N, H, dk, dv)`` with
+            ``cu_seqlens``.
+        scale: the query scale.
+        segment_ids: ``(B, T)`` ids (a sequence starts where the id changes), or None.
+        cu_seqlens: ``(N + 1,)`` offsets (B = 1), or None.
+
+    Returns:
+        ``(o, h_final)``.
+    """
     acc = state_dtype(q.dtype)
     # [B, H, T, d] in the accumulation dtype
     qf, kf, vf, wf, bf, gf = (jnp.swapaxes(x, 1, 2).astype(acc) for x in (q, k, v, w, b, g))
@@ -54,7 +76,27 @@ def gdn2_associative_scan(
     erase = eye - kf[..., :, None] * (bf * kf)[..., None, :]  # [B, H, T, dk, dk]
     A = erase * jnp.exp(gf)[..., None, :]  # (I - k e^T) diag(exp g)   [B, H, T, dk, dk]
     Bm = kf[..., :, None] * (wf * vf)[..., None, :]  # k z^T          [B, H, T, dk, dv]
+    h0 = h0.astype(acc)
+    start = None
+    if cu_seqlens is not None:  # B = 1: sequence n starts from h0[n]
+        seq, start, _ = varlen_layout(cu_seqlens, q.shape[1])  # [T] each
+        h0_tok = jnp.swapaxes(h0[seq], 0, 1)[None]  # [1, H, T, dk, dv] h0 of each token's sequence
+        Bm = jnp.where(start[:, None, None], A @ h0_tok + Bm, Bm)
+        start = start[None]  # [1, T]
+    elif segment_ids is not None:
+        start = segment_starts(segment_ids).at[:, 0].set(False)  # [B, T]; h0 enters at token 0
+    if start is not None:
+        A = jnp.where(start[:, None, :, None, None], 0.0, A)  # a start forgets the state
     A_pre, B_pre = jax.lax.associative_scan(_compose, (A, Bm), axis=2)  # prefix maps
-    S = A_pre @ h0.astype(acc)[:, :, None] + B_pre  # [B, H, T, dk, dv]
+    row_h0 = jnp.zeros_like(h0[:1]) if cu_seqlens is not None else h0  # every row starts at 0
+    S = A_pre @ row_h0[:, :, None] + B_pre  # [B, H, T, dk, dv]
     o = scale * jnp.einsum("bhtkv,bhtk->bhtv", S, qf)  # [B, H, T, dv]
-    return jnp.swapaxes(o, 1, 2).astype(v.dtype), S[:, :, -1].astype(h0.dtype)
+    o = jnp.swapaxes(o, 1, 2).astype(v.dtype)
+    if cu_seqlens is None:
+        return o, S[:, :, -1].astype(h0.dtype)
+    # h_final[n]: the state at the last token of sequence n; h0[n] when it is empty.
+    cu = cu_seqlens.astype(jnp.int32)
+    last = jnp.clip(cu[1:] - 1, 0, q.shape[1] - 1)  # [N]
+    h_last = jnp.swapaxes(S[0][:, last], 0, 1)  # [N, H, dk, dv]
+    empty = (cu[1:] == cu[:-1])[:, None, None, None]
+    return o, jnp.where(empty, h0, h_last).astype(h0.dtype)

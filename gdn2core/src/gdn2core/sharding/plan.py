@@ -82,11 +82,14 @@ class ShardPlan:
         return NamedSharding(self.mesh, self.state_spec)
 
     def local_spec(self, spec: OpSpec) -> OpSpec:
-        """The spec each device's backend call sees."""
+        """The spec each device's backend call sees (heads of every kind split alike; with
+        cu_seqlens, whose one row is never split over batch, the sequences all stay)."""
         return dataclasses.replace(
             spec,
             batch=spec.batch // self.batch_shards,
             heads=spec.heads // self.head_shards,
+            value_heads=spec.value_heads // self.head_shards,
+            gate_heads=spec.gate_heads // self.head_shards,
             seq_len=spec.seq_len // self.context_shards,
         )
 

@@ -28,6 +28,13 @@ summaries with a leading axis of size ``P``; stage 2 (type-checked) holds every 
 Both make manual only the mesh axes the plan uses; other mesh axes stay automatic, so inputs
 replicated over them are neither gathered nor their gradients all-reduced.
 
+Packed sequences (``segment_ids``): each shard's call gets its own slice of the ids, so resets
+inside a shard happen in the backend call (a reset zeroes the ``h0 = I`` columns too: the
+transition of a shard with a start inside is 0 from there on). A shard whose first token starts a
+new sequence (its id differs from the previous shard's last) starts its transition columns from
+``0`` instead of ``I``, so the incoming state does not enter it. ``cu_seqlens`` with context
+parallelism is refused.
+
 Precision: ``o0`` and ``a`` come out of the backend in the inputs' dtype, so bfloat16 inputs round
 them before the completion ``o0 + S_in^T a`` (float32); the state path is float32 throughout.
 """
@@ -43,8 +50,9 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from gdn2core.config import KernelConfig
+from gdn2core.features.segments import shard_boundary_starts
 from gdn2core.sharding.plan import ShardPlan
-from gdn2core.spec import OpSpec
+from gdn2core.spec import OpExtras, OpSpec
 
 BackendFn = Callable[..., tuple[jax.Array, jax.Array]]
 
@@ -72,37 +80,54 @@ def sharded_call(
     *,
     spec: OpSpec,
     config: KernelConfig,
+    extras: OpExtras | None = None,
     supports: Callable[[OpSpec], bool] | None = None,
     check_vma: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``fn`` on every shard of ``plan``; returns the global ``(o, h_final)``.
 
-    ``supports(local_spec)`` says whether ``fn`` takes a widened value axis (context parallelism
-    uses ``dv + dk`` columns when it can, else two calls); None means yes. ``check_vma``: the
-    shard_map type check of the backend's own shard_map (off by default: a backend's scan carries
-    need not be typed for shard_map); the context-parallel combine is always checked.
+    ``extras`` (the backend's feature arrays, or None) are split with the inputs: segment_ids by
+    batch (and time), A_log and dt_bias by heads, cu_seqlens replicated (its one row is never
+    split over batch; context parallelism with cu_seqlens is refused). ``supports(local_spec)``
+    says whether ``fn`` takes a widened value axis (context parallelism uses ``dv + dk`` columns
+    when it can, else two calls); None means yes. ``check_vma``: the shard_map type check of the
+    backend's own shard_map (off by default: a backend's scan carries need not be typed for
+    shard_map); the context-parallel combine is always checked.
     """
     local = plan.local_spec(spec)
     _require(supports, local, plan)
     tok, st = plan.token_spec, plan.state_spec
-    q, k, v, w, b, g, h0 = _reshard_explicit(
-        plan, (q, k, v, w, b, g, h0), (tok, tok, tok, tok, tok, tok, st)
+    names, arrays, specs = _extras_args(plan, extras)
+    q, k, v, w, b, g, h0, *arrays = _reshard_explicit(
+        plan, (q, k, v, w, b, g, h0, *arrays), (tok, tok, tok, tok, tok, tok, st, *specs)
     )
+
+    def rebuild(local_arrays) -> dict:
+        if extras is None:
+            return {}
+        return {"extras": OpExtras(**dict(zip(names, local_arrays, strict=True)))}
+
     if plan.context_axis is None:
 
-        def body(q, k, v, w, b, g, h0):
-            return fn(q, k, v, w, b, g, h0, spec=local, config=config)
+        def body(q, k, v, w, b, g, h0, *xs):
+            return fn(q, k, v, w, b, g, h0, spec=local, config=config, **rebuild(xs))
 
         mapped = shard_map(
             body,
             mesh=plan.mesh,
             axis_names=plan.used_axes,
-            in_specs=(tok, tok, tok, tok, tok, tok, st),
+            in_specs=(tok, tok, tok, tok, tok, tok, st, *specs),
             out_specs=(tok, st),
             check_vma=check_vma,
         )
-        return mapped(q, k, v, w, b, g, h0)
+        return mapped(q, k, v, w, b, g, h0, *arrays)
 
+    if extras is not None and extras.cu_seqlens is not None:
+        raise ValueError(
+            f"cu_seqlens: context parallelism (context_axis={plan.context_axis!r}) is not "
+            "supported with cu_seqlens; pass segment_ids instead (h0 then enters the first "
+            "sequence of the row and h_final leaves the last), or drop context_axis"
+        )
     # Stage 1: the backend on every shard, no communication. Summaries come out with a leading
     # axis of size P (one entry per context shard): (P, B, H, dk, dk) and (P, B, H, dk, dv).
     axis = plan.context_axis
@@ -112,19 +137,29 @@ def sharded_call(
         _require(supports, dataclasses.replace(local, dv=local.dk), plan)
     varying = (*plan.batch_axes, *plan.head_axes, axis) if check_vma else ()
     summary = PartitionSpec(axis, *st[:2], None, None)
+    # A shard whose first token starts a new sequence ignores the incoming state: (B, P) flags.
+    segment_ids = None if extras is None else extras.segment_ids
+    resets = (
+        () if segment_ids is None else (shard_boundary_starts(segment_ids, plan.context_shards),)
+    )
+    reset_spec = (PartitionSpec(tok[0], axis),) * len(resets)
 
-    def stage1(q, k, v, w, b, g):
-        o0, a, b_p, a_p = shard_summaries(fn, local, config, fused, q, k, v, w, b, g, axes=varying)
+    def stage1(q, k, v, w, b, g, *rest):
+        reset = rest[0][:, 0] if resets else None  # [B] this shard starts a sequence
+        more = rebuild(rest[len(resets) :])
+        o0, a, b_p, a_p = shard_summaries(
+            fn, local, config, fused, q, k, v, w, b, g, axes=varying, reset=reset, **more
+        )
         return o0, a, b_p[None], a_p[None]
 
     o0, a, b_all, a_all = shard_map(
         stage1,
         mesh=plan.mesh,
         axis_names=plan.used_axes,
-        in_specs=(tok,) * 6,
+        in_specs=(tok,) * 6 + reset_spec + tuple(specs),
         out_specs=(tok, tok, summary, summary),
         check_vma=check_vma,
-    )(q, k, v, w, b, g)
+    )(q, k, v, w, b, g, *resets, *arrays)
 
     # Stage 2: exchange the summaries, combine, complete the outputs (type-checked shard_map).
     def stage2(o0, a, b_p, a_p, h0):
@@ -138,6 +173,26 @@ def sharded_call(
         out_specs=(tok, st),
         check_vma=True,
     )(o0, a, b_all, a_all, h0)
+
+
+def _extras_args(plan: ShardPlan, extras: OpExtras | None):
+    """The present fields of ``extras`` as (names, arrays, PartitionSpecs)."""
+    if extras is None:
+        return (), [], []
+    tok = plan.token_spec
+    heads = tok[2]
+    layout = {
+        "segment_ids": PartitionSpec(tok[0], tok[1]),  # (B, T)
+        "cu_seqlens": PartitionSpec(),  # (N + 1,) replicated
+        "A_log": PartitionSpec(heads),  # (H,)
+        "dt_bias": PartitionSpec(heads, None),  # (H, dk)
+    }
+    present = [(n, getattr(extras, n)) for n in layout if getattr(extras, n) is not None]
+    return (
+        tuple(n for n, _ in present),
+        [x for _, x in present],
+        [layout[n] for n, _ in present],
+    )
 
 
 def _require(supports, local: OpSpec, plan: ShardPlan) -> None:
@@ -178,15 +233,22 @@ def _vary(x, axes: tuple[str, ...]):
     return x if pvary is None else pvary(x, axes)
 
 
-def shard_summaries(fn, local: OpSpec, config, fused: bool, q, k, v, w, b, g, *, axes=()):
+def shard_summaries(
+    fn, local: OpSpec, config, fused: bool, q, k, v, w, b, g, *, axes=(), reset=None, **more
+):
     """Per-shard ``(o0, a, B_p, A_p)`` of the module docstring, from one or two calls of ``fn``.
 
     ``axes``: the manual mesh axes the inputs vary over (inside shard_map), for the constants.
+    ``reset``: None, or ``(B,)`` bool: the shard's first token starts a new sequence, so the
+    incoming state does not enter (``a = 0``, ``A_p = 0``). ``more``: ``extras=`` for ``fn``.
     """
     bl, tl, hl, dk = q.shape
     dv = v.shape[-1]
     acc = jnp.float64 if v.dtype == jnp.float64 else jnp.float32
-    eye = _vary(jnp.broadcast_to(jnp.eye(dk, dtype=acc), (bl, hl, dk, dk)), axes)
+    eye = jnp.broadcast_to(jnp.eye(dk, dtype=acc), (bl, hl, dk, dk))  # [B, H, dk, dk]
+    if reset is not None:
+        eye = jnp.where(reset[:, None, None, None], jnp.zeros_like(eye), eye)
+    eye = _vary(eye, axes)
     zeros_k = _vary(jnp.zeros((bl, tl, hl, dk), v.dtype), axes)
     zero_state = _vary(jnp.zeros((bl, hl, dk, dv), acc), axes)
     if fused:
@@ -197,12 +259,12 @@ def shard_summaries(fn, local: OpSpec, config, fused: bool, q, k, v, w, b, g, *,
             jnp.concatenate([w, zeros_k], axis=-1),
             b, g,
             jnp.concatenate([zero_state, eye], axis=-1),
-            spec=spec2, config=config,
+            spec=spec2, config=config, **more,
         )  # fmt: skip
         return o2[..., :dv], o2[..., dv:], s2[..., :dv], s2[..., dv:]
-    o0, b_p = fn(q, k, v, w, b, g, zero_state, spec=local, config=config)
+    o0, b_p = fn(q, k, v, w, b, g, zero_state, spec=local, config=config, **more)
     spec_a = dataclasses.replace(local, dv=dk)
-    a, a_p = fn(q, k, zeros_k, zeros_k, b, g, eye, spec=spec_a, config=config)
+    a, a_p = fn(q, k, zeros_k, zeros_k, b, g, eye, spec=spec_a, config=config, **more)
     return o0, a, b_p, a_p
 
 

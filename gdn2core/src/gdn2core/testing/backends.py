@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from gdn2core.backend import Backend, Capabilities
 from gdn2core.decode_reference import gdn2_decode_reference
-from gdn2core.reference import gdn2_token_serial_reference
+from gdn2core.reference import token_serial
 
 
 class ReferenceBackend(Backend):
@@ -17,12 +17,15 @@ class ReferenceBackend(Backend):
     Args:
         name: the name to register it under (default ``"token_serial"``).
         priority: its priority.
-        capabilities: what it claims (default: everything, named only).
+        capabilities: what it claims (default: everything, named only: packed sequences of both
+            kinds and fused activations, which it applies token by token, and the decode op).
     """
 
     name = "token_serial"
     priority = 0
-    capabilities = Capabilities(auto=False, decode=True)
+    capabilities = Capabilities(
+        auto=False, segments=True, varlen=True, fused_activations=True, decode=True
+    )
 
     def __init__(
         self,
@@ -38,10 +41,10 @@ class ReferenceBackend(Backend):
         if capabilities is not None:
             self.capabilities = capabilities
 
-    def forward(self, q, k, v, w, b, g, h0, *, spec, config):
+    def forward(self, q, k, v, w, b, g, h0, *, spec, config, extras=None):
         """The reference's ``(o, h_final)`` (see :class:`~gdn2core.plugin.Backend`)."""
         del config
-        return gdn2_token_serial_reference(q, k, v, w, b, g, spec.scale, h0)
+        return token_serial(spec, q, k, v, w, b, g, h0, extras)
 
     def decode(self, q, k, v, w, b, g, state, slots, *, spec, config):
         """The decode reference (see :meth:`~gdn2core.plugin.Backend.decode`)."""

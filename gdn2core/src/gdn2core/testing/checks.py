@@ -1,11 +1,13 @@
 """The token-serial checks: a backend's outputs and gradients next to the reference's.
 
 Every gradient in gdn2 is of the same loss, ``sum(o * do) + sum(h_final * dh)`` (cotangents on both
-outputs), in all seven arguments q, k, v, w, b, g, h0.
+outputs), in all seven arguments q, k, v, w, b, g, h0 (and the gate parameters A_log, dt_bias of a
+fused gate: :attr:`Inputs.diff_args`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -34,21 +36,52 @@ def cotangent_loss(o: jax.Array, h_final: jax.Array, do: jax.Array, dh: jax.Arra
 
 
 def outputs_and_grads(fn: OpFn, x: Inputs) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
-    """``fn``'s outputs and the seven gradients of :func:`cotangent_loss`, in one jit.
+    """``fn``'s outputs and the gradients of :func:`cotangent_loss`, in one jit.
 
     Args:
-        fn: ``fn(q, k, v, w, b, g, h0) -> (o, h_final)``.
+        fn: ``fn(*x.diff_args) -> (o, h_final)``: ``fn(q, k, v, w, b, g, h0)``, then the gate
+            parameters present (see :func:`op_function`).
         x: the inputs and cotangents (a missing h0 is passed as zeros).
 
     Returns:
-        ``(o, h_final, (dq, dk, dv, dw, db, dg, dh0))``.
+        ``(o, h_final, grads)``: ``(dq, dk, dv, dw, db, dg, dh0)``, then ``dA_log``,
+        ``ddt_bias`` when present (labels: :attr:`Inputs.grad_names`).
     """
+
+    return _jitted_vjp(fn)(x.diff_args, x.do, x.dh)
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted_vjp(fn: OpFn):
+    """One jitted program per ``fn`` (the same function on new inputs of the same shapes, e.g. a
+    perturbed copy, reuses the compiled program)."""
 
     def run(args, do, dh):
         (o, h), vjp = jax.vjp(fn, *args)
         return o, h, vjp((do.astype(o.dtype), dh.astype(h.dtype)))
 
-    return jax.jit(run)((*x.args, x.h0_or_zeros), x.do, x.dh)
+    return jax.jit(run)
+
+
+def op_function(op: Callable, x: Inputs, **kwargs) -> OpFn:
+    """``op`` (a public function's signature) as ``fn(*x.diff_args)``, with ``x.options`` (segment
+    ids, cu_seqlens, activation flags) and ``kwargs`` (backend, config...) fixed.
+
+    Args:
+        op: ``gdn2_forward``, ``gdn2_forward_trainable`` or ``gdn2_token_serial_reference``.
+        x: the inputs whose options and gate parameters the function takes.
+        kwargs: more keywords for every call.
+
+    Returns:
+        ``fn(q, k, v, w, b, g, h0, *params) -> (o, h_final)``.
+    """
+    names = x.param_names
+
+    def fn(q, k, v, w, b, g, h0, *params):
+        gate = dict(zip(names, params, strict=True))
+        return op(q, k, v, w, b, g, h0=h0, **x.options, **gate, **kwargs)
+
+    return fn
 
 
 def reference(q, k, v, w, b, g, h0):
@@ -77,22 +110,40 @@ def reference_outputs_and_grads(x: Inputs):
     acc = x.dh.dtype
     wide = x.astype(acc)
     with jax.default_matmul_precision("highest"):
-        return outputs_and_grads(reference, wide)
+        return outputs_and_grads(op_function(gdn2_token_serial_reference, wide), wide)
 
 
-def check_central_differences(loss: Callable, primals, *, seed: int = 7, eps: float = 1e-6):
+def reference_outputs(x: Inputs) -> tuple[jax.Array, jax.Array]:
+    """The reference's ``(o, h_final)`` for ``x`` as :func:`reference_outputs_and_grads` computes
+    them, without the gradients.
+
+    Args:
+        x: the inputs.
+
+    Returns:
+        ``(o, h_final)``.
+    """
+    wide = x.astype(x.dh.dtype)
+    with jax.default_matmul_precision("highest"):
+        return jax.jit(op_function(gdn2_token_serial_reference, wide))(*wide.diff_args)
+
+
+def check_central_differences(
+    loss: Callable, primals, *, seed: int = 7, eps: float = 1e-6, names=None
+):
     """Directional derivatives of ``loss`` (float64) against its autodiff gradients.
 
-    For each of the seven arguments, a random direction ``d``: the central difference
+    For each argument, a random direction ``d``: the central difference
     ``(loss(x + eps d) - loss(x - eps d)) / 2 eps`` must equal ``<grad, d>`` to ``1e-6`` relative
     (truncation is O(eps^2) ~ 1e-12 and rounding ~ 1e-16 / eps = 1e-10 of |loss|, far below; any
     wrong term is O(1)). Needs ``jax_enable_x64``.
 
     Args:
-        loss: ``loss(q, k, v, w, b, g, h0) -> scalar``.
-        primals: the seven float64 arguments.
+        loss: ``loss(*primals) -> scalar`` (e.g. ``loss(q, k, v, w, b, g, h0)``).
+        primals: the float64 arguments.
         seed: the directions' seed.
         eps: the step.
+        names: the gradients' labels (default: :data:`GRAD_NAMES`, then ``d1``, ``d2``...).
 
     Raises:
         AssertionError: naming the gradient whose derivative disagrees.
@@ -100,7 +151,8 @@ def check_central_differences(loss: Callable, primals, *, seed: int = 7, eps: fl
     loss = jax.jit(loss)
     grads = jax.jit(jax.grad(loss, argnums=tuple(range(len(primals)))))(*primals)
     rng = np.random.default_rng(seed)
-    for i, name in enumerate(GRAD_NAMES[: len(primals)]):
+    names = names or (*GRAD_NAMES, *(f"d{i}" for i in range(len(GRAD_NAMES), len(primals))))
+    for i, name in enumerate(names[: len(primals)]):
         d = jnp.asarray(rng.standard_normal(primals[i].shape))
         plus = [p + eps * d if j == i else p for j, p in enumerate(primals)]
         minus = [p - eps * d if j == i else p for j, p in enumerate(primals)]

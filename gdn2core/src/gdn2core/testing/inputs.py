@@ -68,9 +68,17 @@ class Case:
         )
 
 
+#: The differentiable parameters of the fused gate, in the order :attr:`Inputs.diff_args` holds them.
+PARAM_NAMES = ("A_log", "dt_bias")
+
+
 @dataclasses.dataclass(frozen=True)
 class Inputs:
-    """The operator's inputs and the cotangents of its two outputs for one case."""
+    """The operator's inputs and the cotangents of its two outputs for one case.
+
+    With model features (:mod:`gdn2core.testing.feature_inputs`) also the gate parameters and
+    ``options``: the other keywords of the call (segment_ids, cu_seqlens, the activation flags).
+    """
 
     q: jax.Array
     k: jax.Array
@@ -81,11 +89,30 @@ class Inputs:
     h0: jax.Array | None
     do: jax.Array  # cotangent of o
     dh: jax.Array  # cotangent of h_final
+    A_log: jax.Array | None = None
+    dt_bias: jax.Array | None = None
+    options: dict = dataclasses.field(default_factory=dict)
 
     @property
     def args(self) -> tuple[jax.Array, ...]:
         """``(q, k, v, w, b, g)``."""
         return (self.q, self.k, self.v, self.w, self.b, self.g)
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        """The gate parameters present (a subset of :data:`PARAM_NAMES`, in order)."""
+        return tuple(n for n in PARAM_NAMES if getattr(self, n) is not None)
+
+    @property
+    def diff_args(self) -> tuple[jax.Array, ...]:
+        """Every differentiable argument: ``(q, k, v, w, b, g, h0)`` (h0 as zeros when absent),
+        then the gate parameters present."""
+        return (*self.args, self.h0_or_zeros, *(getattr(self, n) for n in self.param_names))
+
+    @property
+    def grad_names(self) -> tuple[str, ...]:
+        """Labels of the gradients of :attr:`diff_args` (``dq`` ... ``dh0``, ``dA_log``...)."""
+        return (*GRAD_NAMES, *(f"d{n}" for n in self.param_names))
 
     @property
     def h0_or_zeros(self) -> jax.Array:

@@ -32,6 +32,8 @@ from typing import Final
 
 import numpy as np
 
+from gdn2core.platform import default_platform
+
 
 class Quantity(enum.StrEnum):
     """What is compared: the outputs (o, h_final) or a gradient."""
@@ -107,3 +109,17 @@ def rel_err(actual, expected) -> float:
     scale = float(np.max(np.abs(e))) if e.size else 0.0
     diff = float(np.max(np.abs(a - e))) if a.size else 0.0
     return diff / scale if scale > 0 else diff
+
+
+def assert_close(name: str, actual, expected, dtype: str) -> None:
+    """Fail, naming the array, the error and the tolerance, when ``actual`` is off.
+
+    Args:
+        name: the array's label (``"o"``, ``"h_final"``, ``"dq"``...).
+        actual: the backend's array.
+        expected: the reference's.
+        dtype: the input dtype of the call (selects the tolerance).
+    """
+    assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
+    err, tol = rel_err(actual, expected), tolerance(dtype, name, default_platform())
+    assert err <= tol, f"{name}: relative error {err:.2e} > tolerance {tol:.0e} ({dtype})"

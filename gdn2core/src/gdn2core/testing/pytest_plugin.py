@@ -62,8 +62,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     targets = getattr(metafunc.cls, "targets", None)
     if targets is None:
         targets = _option_targets(metafunc.config)
-    needs = getattr(metafunc.function, "gdn2_requires", frozenset())
-    chosen = [t for t in targets if needs <= t.features]
+    feature = getattr(metafunc.function, "gdn2_feature", None)
+    required = getattr(
+        metafunc.function, "gdn2_requires", frozenset() if feature is None else {feature}
+    )
+    chosen = [t for t in targets if required <= t.claimed()]
     case_fixture = next(
         (n for n in ("gdn2_case", "gdn2_decode_case") if n in metafunc.fixturenames), None
     )
@@ -146,7 +149,8 @@ class _Recorder:
                     parts.append(f"{feature} {verdict} ({passed}/{passed + failed} passed)")
             if not parts:
                 continue
-            absent = [str(f) for f in Feature if f not in target.features]
+            claimed = target.claimed()
+            absent = [str(f) for f in Feature if f not in claimed]
             line = f"{tid}: " + ", ".join(parts)
             if absent:
                 line += f"; not claimed: {', '.join(absent)}"

@@ -37,11 +37,13 @@ def find_devices(n: int) -> list | None:
 
 
 def child_env(n: int, env: dict[str, str] | None = None) -> dict[str, str]:
-    """``env`` (default ``os.environ``) with XLA asked for ``n`` CPU devices, and the CPU platform."""
+    """``env`` (default ``os.environ``) with XLA asked for ``n`` CPU devices, the CPU platform,
+    and no libtpu logs (``TPU_LOG_DIR=disabled`` unless set)."""
     env = dict(os.environ if env is None else env)
     flags = _COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).strip()
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     env["JAX_PLATFORMS"] = "cpu"
+    env.setdefault("TPU_LOG_DIR", "disabled")  # libtpu, if loaded, writes no logs to /tmp
     env[CHILD_ENV] = "1"
     return env
 

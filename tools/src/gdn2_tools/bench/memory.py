@@ -17,6 +17,7 @@ target, every backend ``backend="auto"`` may pick on a TPU (by its declared plat
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -100,6 +101,7 @@ def rss_in_subprocess(
     payload = json.dumps({"backend": name, "shape": shape.as_dict(), "dtype": dtype})
     proc = subprocess.run(
         [sys.executable, "-m", "gdn2_tools.bench.rss_probe", payload],
+        env={"TPU_LOG_DIR": "disabled", **os.environ},  # libtpu, if loaded, writes no logs
         capture_output=True,
         text=True,
         timeout=timeout,

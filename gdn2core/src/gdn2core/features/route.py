@@ -1,0 +1,133 @@
+"""One call, from validated inputs to the backend's result: the fused activations (in XLA when the
+backend does not fuse them), grouped value heads, the backend's extras, and the plain or per-shard
+call. The public functions (:mod:`gdn2core.api`) validate and choose the backend; this runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gdn2core.backend import Backend, Capabilities, Verdict
+from gdn2core.config import KernelConfig
+from gdn2core.features.activations import apply_activations
+from gdn2core.features.gva import group_call, resolve_spec, ungroup_outputs, ungroup_state
+from gdn2core.features.segments import as_int32_ids
+from gdn2core.reference import state_dtype
+from gdn2core.sharding.plan import resolve_plan
+from gdn2core.sharding.run import sharded_call
+from gdn2core.spec import NO_ACTIVATIONS, OpExtras, OpSpec, SegmentMode
+
+
+def backend_spec(spec: OpSpec, caps: Capabilities) -> OpSpec:
+    """The spec a backend with ``caps`` sees for a call of ``spec``: grouped value heads resolved
+    (:func:`gdn2core.features.gva.resolve_spec`), and no activations unless it fuses them (the
+    core then applies them in XLA before the call).
+
+    Args:
+        spec: the call's spec.
+        caps: the backend's capabilities.
+
+    Returns:
+        The backend's spec (``spec`` itself when nothing changes).
+    """
+    view = resolve_spec(spec)
+    if view.activations.any and not caps.fused_activations:
+        view = dataclasses.replace(view, activations=NO_ACTIVATIONS)
+    return view
+
+
+def run_backend(
+    method: Callable[..., tuple[jax.Array, jax.Array]],
+    backend: Backend,
+    spec: OpSpec,
+    config: KernelConfig,
+    args: tuple[jax.Array, ...],
+    h0: jax.Array,
+    extras: OpExtras,
+    sharding: dict[str, Any],
+    supports: Callable[[OpSpec], Verdict],
+) -> tuple[jax.Array, jax.Array]:
+    """Run ``method`` (the backend's ``forward`` or ``forward_trainable``) for one call.
+
+    Args:
+        method: the bound backend method.
+        backend: its backend (for the capabilities).
+        spec: the validated spec of the call (user layout: GVA, activations).
+        config: the kernel config.
+        args: the raw ``(q, k, v, w, b, g)``.
+        h0: the initial state ``(L, HV, dk, dv)`` in the state dtype.
+        extras: the user's feature arrays (segment_ids, cu_seqlens, A_log, dt_bias or None).
+        sharding: the mesh keywords of the call (``mesh``, ``batch_axes``, ``head_axes``,
+            ``context_axis``).
+        supports: the verdict of the backend on a per-shard spec.
+
+    Returns:
+        ``(o, h_final)`` in the user layout.
+    """
+    placed = args[0]  # the user's q: its sharding locates the mesh
+    view, inputs, h0, backend_extras = _backend_inputs(backend, spec, args, h0, extras)
+    plan = resolve_plan(view, placed, **sharding)
+    if plan is None:
+        more = {} if backend_extras is None else {"extras": backend_extras}
+        o, h = method(*inputs, h0, spec=view, config=config, **more)
+    else:
+        o, h = sharded_call(
+            method, plan, *inputs, h0,
+            spec=view, config=config, extras=backend_extras, supports=supports,
+            check_vma=backend.shard_map_check_vma,
+        )  # fmt: skip
+    return ungroup_outputs(spec, o, h)
+
+
+def run_chunk_states(
+    backend: Backend,
+    spec: OpSpec,
+    config: KernelConfig,
+    args: tuple[jax.Array, ...],
+    h0: jax.Array,
+    extras: OpExtras,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Run the backend's ``forward_chunk_states`` for one single-device call without packed
+    sequences (the caller refuses the rest), with the activations and grouped value heads of
+    :func:`run_backend`.
+
+    Args:
+        backend, spec, config, args, h0, extras: as for :func:`run_backend`.
+
+    Returns:
+        ``(o, h_final, chunk_states)`` in the user layout: chunk_states ``(B, NC, HV, dk, dv)``.
+    """
+    view, inputs, h0, backend_extras = _backend_inputs(backend, spec, args, h0, extras)
+    more = {} if backend_extras is None else {"extras": backend_extras}
+    o, h, chunks = backend.forward_chunk_states(*inputs, h0, spec=view, config=config, **more)
+    o, h = ungroup_outputs(spec, o, h)
+    return o, h, ungroup_state(spec, chunks)
+
+
+def _backend_inputs(backend: Backend, spec: OpSpec, args, h0, extras: OpExtras):
+    """What the backend receives for a call: ``(view, (q, k, v, w, b, g), h0, extras | None)``:
+    the activations applied in XLA unless it fuses them, grouped value heads resolved, and the
+    extras (None when the call has no packed sequences and no fused activations)."""
+    q, k, v, w, b, g = args
+    caps = backend.capabilities
+    view = backend_spec(spec, caps)
+    A_log, dt_bias = extras.A_log, extras.dt_bias
+    acc = state_dtype(q.dtype)
+    if spec.activations.any and not caps.fused_activations:
+        q, k, w, b, g = apply_activations(spec.activations, q, k, w, b, g, A_log, dt_bias)
+        A_log = dt_bias = None
+    A_log = None if A_log is None else A_log.astype(acc)
+    dt_bias = None if dt_bias is None else dt_bias.astype(acc)
+    gq, gk, gv, gw, gh0 = group_call(spec, q, k, v, w, h0)
+
+    backend_extras = None
+    if view.segments != SegmentMode.NONE or view.activations.any:
+        seg = None if extras.segment_ids is None else as_int32_ids(extras.segment_ids)
+        cu = None if extras.cu_seqlens is None else jnp.asarray(extras.cu_seqlens, jnp.int32)
+        backend_extras = OpExtras(seg, cu, A_log, dt_bias)
+    return view, (gq, gk, gv, gw, b, g), gh0, backend_extras

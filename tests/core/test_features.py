@@ -1,0 +1,233 @@
+"""The core's side of the model features: the GVA transform and the XLA activation path against
+the reference (which implements both natively), validation, the extras contract with backends,
+and refusals that name the argument."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdn2core import (
+    Activations,
+    BackendUnsupportedError,
+    Capabilities,
+    GateMode,
+    OpExtras,
+    OpSpec,
+    SegmentMode,
+    estimate_memory,
+    gdn2_forward,
+    gdn2_forward_trainable,
+    gdn2_token_serial_reference,
+    get_recommended_config,
+    register_backend,
+    unregister_backend,
+    which_backend,
+)
+from gdn2core.features.activations import apply_activations
+from gdn2core.features.gva import group_call, resolve_spec, ungroup_outputs
+from gdn2core.features.segments import as_int32_ids, segment_starts, shard_boundary_starts
+from gdn2core.plugin import Backend
+from gdn2core.reference import token_serial
+from gdn2core.testing import (
+    FeatureCase,
+    GateHeads,
+    ReferenceBackend,
+    activate_numpy,
+    check_central_differences,
+    cotangent_loss,
+    make_feature_inputs,
+    outputs_and_grads,
+    rel_err,
+)
+from gdn2core.testing.checks import op_function
+from gdn2core.testing.feature_suite import ACTIVATION_CASES
+
+
+@pytest.mark.parametrize("gate_heads", list(GateHeads))
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gva_transform_equals_native_reference(gate_heads, varlen, x64):
+    """Grouping (shared keys: reshape of v, w, h0; repeated keys: jnp.repeat of q, k), a plain
+    reference call, ungrouping: the reference's native GVA, in float64 (reassociation only)."""
+    packing = {"seqlens": (3, 0, 6)} if varlen else {"B": 2}
+    case = FeatureCase(T=9, H=2, dk=4, dv=3, groups=3, gate_heads=gate_heads, seed=1, **packing)
+    x = make_feature_inputs(case, jnp.float64)
+    spec = OpSpec.from_inputs(*x.args, None, x.h0, **x.options)
+    plain = resolve_spec(spec)
+    assert plain.value_heads == plain.gate_heads == plain.heads
+    assert (plain.heads, plain.dv) == ((2, 9) if gate_heads == "key" else (6, 3))
+    q, k, v, w, h0 = group_call(spec, x.q, x.k, x.v, x.w, x.h0)
+    extras = OpExtras(cu_seqlens=x.options.get("cu_seqlens"))
+    o, h = ungroup_outputs(spec, *token_serial(plain, q, k, v, w, x.b, x.g, h0, extras))
+    o_ref, h_ref = gdn2_token_serial_reference(*x.args, None, x.h0, **x.options)
+    assert rel_err(o, o_ref) < 1e-12 and rel_err(h, h_ref) < 1e-12
+
+
+@pytest.mark.parametrize("act", ACTIVATION_CASES, ids=str)
+def test_xla_activation_path_equals_numpy(act):
+    """float32: the core's activations (computed in float32) against float64 NumPy rounded to
+    float32: an ulp or two of the activation (1e-6 relative)."""
+    x = make_feature_inputs(FeatureCase(T=7, groups=2, activations=act, seed=2))
+    got = apply_activations(act, x.q, x.k, x.w, x.b, x.g, x.A_log, x.dt_bias)
+    want = activate_numpy(x, act)
+    for name, a in zip("qkwbg", got, strict=True):
+        assert a.dtype == jnp.float32
+        assert rel_err(a, getattr(want, name)) < 1e-6, name
+
+
+def test_plain_specs_unchanged():
+    """Positional construction still describes a plain call; the feature fields follow."""
+    spec = OpSpec(2, 16, 4, 8, 8, "float32", 0.5)
+    assert (spec.value_heads, spec.gate_heads, spec.n_seqs, spec.groups) == (4, 4, 2, 1)
+    assert spec.segments == SegmentMode.NONE and not spec.activations.any
+    assert dataclasses.replace(spec, batch=3).n_seqs == 3
+    x = make_feature_inputs(FeatureCase(B=2, T=16, H=4, dk=8, dv=8))
+    assert OpSpec.from_inputs(*x.args, 0.5) == spec
+    with pytest.raises(ValueError, match="v: expected HV .* multiple of H=4, got HV=6"):
+        OpSpec(2, 16, 4, 8, 8, "float32", 0.5, value_heads=6)
+    with pytest.raises(ValueError, match="b/g: expected H=4 or HV=8 heads, got 2"):
+        OpSpec(2, 16, 4, 8, 8, "float32", 0.5, value_heads=8, gate_heads=2)
+
+
+def test_activation_options_are_checked():
+    assert Activations.from_options(use_gate_in_kernel=True).gate == GateMode.SOFTPLUS
+    lb = Activations.from_options(use_gate_in_kernel=True, lower_bound=-5)
+    assert lb.gate == GateMode.LOWER_BOUND and lb.lower_bound == -5.0
+    with pytest.raises(TypeError, match="use_qk_l2norm_in_kernel: expected a bool, got int"):
+        Activations.from_options(use_qk_l2norm_in_kernel=1)
+    with pytest.raises(ValueError, match=r"lower_bound: expected a float in \[-5, 0\), got nan"):
+        Activations.from_options(use_gate_in_kernel=True, lower_bound=float("nan"))
+    x = make_feature_inputs(FeatureCase(T=5, activations=Activations(gate=GateMode.LOWER_BOUND,
+                                                                       lower_bound=-2.0)))  # fmt: skip
+    with pytest.raises(ValueError, match="dt_bias: given with lower_bound"):
+        gdn2_token_serial_reference(*x.args, A_log=x.A_log, dt_bias=jnp.zeros((2, 8)),
+                                    **x.options)  # fmt: skip
+    with pytest.raises(TypeError, match="A_log: expected a floating dtype, got int32"):
+        gdn2_token_serial_reference(*x.args, A_log=jnp.zeros(2, jnp.int32), **x.options)
+
+
+def test_segment_ids_of_any_integer_dtype_keep_their_starts(x64):
+    ids = jnp.asarray(np.array([[5, 5, 2**40, 2**40, 5 + 2**32, 7]]), jnp.int64)
+    starts = np.array([[1, 0, 1, 0, 1, 1]], bool)
+    assert np.array_equal(segment_starts(ids), starts)
+    as32 = as_int32_ids(ids)  # a cast would make 5 and 5 + 2**32 equal
+    assert as32.dtype == jnp.int32 and np.array_equal(segment_starts(as32), starts)
+    flags = shard_boundary_starts(jnp.asarray([[1, 1, 2, 2, 2, 3]]), 3)
+    assert np.array_equal(flags, [[False, True, False]])
+
+
+def test_cu_seqlens_values_are_not_checked_under_jit():
+    """Concrete offsets are validated; traced ones cannot be (documented), and do not raise."""
+    x = make_feature_inputs(FeatureCase(T=6, seqlens=(2, 4)))
+    run = jax.jit(lambda cu: gdn2_token_serial_reference(*x.args, h0=x.h0, cu_seqlens=cu))
+    o, _ = run(jnp.array([0, 2, 6]))
+    assert bool(jnp.all(jnp.isfinite(o)))
+    with pytest.raises(ValueError, match="cu_seqlens: expected cu_seqlens"):
+        gdn2_token_serial_reference(*x.args, h0=x.h0, cu_seqlens=jnp.array([0, 2, 5]))
+
+
+class PlainOnly(Backend):
+    """A backend written before the model features: no extras argument, nothing declared."""
+
+    name = "plain_only"
+    priority = 0
+    capabilities = Capabilities(auto=False, dv=(8,))  # float64 included
+    seen: list = []  # noqa: RUF012 - what the calls received
+
+    def forward(self, q, k, v, w, b, g, h0, *, spec, config):
+        PlainOnly.seen.append(spec)
+        return token_serial(spec, q, k, v, w, b, g, h0)
+
+
+@pytest.fixture
+def plain_only():
+    register_backend(PlainOnly(), replace=True)
+    register_backend(ReferenceBackend("fused_ref"), replace=True)
+    yield PlainOnly
+    unregister_backend("plain_only")
+    unregister_backend("fused_ref")
+    PlainOnly.seen.clear()
+
+
+@pytest.mark.parametrize("act", ACTIVATION_CASES, ids=str)
+def test_backend_without_extras_runs_gva_and_activations(act, plain_only):
+    """The core resolves GVA and applies the activations in XLA for a backend that does not fuse
+    them (the kit's FUSED_ACTIVATIONS tests, which only fusing backends claim, held against the
+    XLA path): it gets a plain spec and no extras; the result equals the unfused op on inputs
+    activated in NumPy and, with every gradient (A_log, dt_bias included), the reference. A
+    backend that fuses them (the reference backend) gets them raw."""
+    x = make_feature_inputs(FeatureCase(T=9, H=2, dk=8, dv=4, groups=2, activations=act, seed=7))
+    o_ref, h_ref, want = outputs_and_grads(op_function(gdn2_token_serial_reference, x), x)
+    unfused = gdn2_forward(*activate_numpy(x, act).args, h0=x.h0, backend="plain_only")
+    for name in ("plain_only", "fused_ref"):
+        o, h, grads = outputs_and_grads(op_function(gdn2_forward_trainable, x, backend=name), x)
+        # float32, the same token-serial arithmetic; the XLA path rounds the activated inputs to
+        # float32 (an ulp) and GVA regroups the value columns: 1e-5. A wrong one is O(1).
+        pairs = (
+            ("o", o, o_ref),
+            ("h_final", h, h_ref),
+            *zip(x.grad_names, grads, want, strict=True),
+        )
+        pairs += (("o (unfused)", o, unfused[0]), ("h_final (unfused)", h, unfused[1]))
+        for label, a, e in pairs:
+            assert rel_err(a, e) < 1e-5, (name, label)
+    spec = plain_only.seen[-1]
+    assert (spec.heads, spec.value_heads, spec.dv) == (2, 2, 8) and not spec.activations.any
+
+
+def test_xla_activation_gradients_match_central_differences(plain_only, x64):
+    """float64: the gradients through the XLA path (A_log, dt_bias included) of a backend that
+    does not fuse the activations, against central differences."""
+    act = ACTIVATION_CASES[0]
+    x = make_feature_inputs(
+        FeatureCase(T=6, H=1, dk=8, dv=4, groups=2, activations=act, seed=8), jnp.float64
+    )
+    fn = op_function(gdn2_forward_trainable, x, backend="plain_only")
+
+    def loss(*args):
+        o, h = fn(*args)
+        return cotangent_loss(o, h, x.do, x.dh)
+
+    check_central_differences(loss, x.diff_args, names=x.grad_names)
+
+
+def test_refusals_name_the_argument(plain_only):
+    x = make_feature_inputs(FeatureCase(B=2, T=9, dk=8, dv=8, rows=((4, 5), (9,))))
+    with pytest.raises(
+        BackendUnsupportedError, match="segment_ids: packed sequences not supported"
+    ):
+        gdn2_forward(*x.args, backend="plain_only", **x.options)
+    y = make_feature_inputs(FeatureCase(T=9, dk=8, dv=8, seqlens=(4, 5)))
+    with pytest.raises(BackendUnsupportedError, match="cu_seqlens: variable-length sequences"):
+        gdn2_forward(*y.args, h0=y.h0, backend="plain_only", **y.options)
+    assert which_backend(*y.args, h0=y.h0, backend="fused_ref", **y.options) == "fused_ref"
+    z = make_feature_inputs(FeatureCase(T=9, dk=8, dv=8, groups=2))  # shared keys: dv 16
+    with pytest.raises(BackendUnsupportedError, match=r"dv=16 not in \(8,\) \(grouped value heads"):
+        gdn2_forward(*z.args, backend="plain_only")
+    repeated = make_feature_inputs(FeatureCase(T=9, dk=8, dv=8, groups=2, gate_heads="value"))
+    gdn2_forward(*repeated.args, backend="plain_only")  # repeated keys keep dv = 8
+
+
+def test_memory_estimate_of_a_grouped_call_is_that_of_the_plain_call():
+    grouped = OpSpec(1, 256, 4, 64, 64, "float32", 0.125, value_heads=8)  # b, g on key heads
+    plain = OpSpec(1, 256, 4, 64, 128, "float32", 0.125)
+    config = get_recommended_config(grouped)
+    assert estimate_memory(grouped, config) == estimate_memory(plain, config)
+
+
+def test_capabilities_describe_the_features():
+    caps = Capabilities(segments=True, fused_activations=True)
+    assert "features: segment_ids, fused activations" in caps.describe()
+    assert Capabilities().describe().endswith("features: -")
+
+
+def test_op_extras_is_a_pytree():
+    extras = OpExtras(segment_ids=jnp.zeros((1, 3), jnp.int32), A_log=jnp.ones(2))
+    leaves = jax.tree_util.tree_leaves(extras)
+    assert len(leaves) == 2
+    doubled = jax.jit(lambda e: dataclasses.replace(e, A_log=2 * e.A_log))(extras)
+    assert float(doubled.A_log[0]) == 2.0 and doubled.cu_seqlens is None

@@ -1,0 +1,126 @@
+"""Multi-device checks of the model features, run in the 8-device child process of
+``test_multidevice.py`` (skipped when fewer devices exist).
+
+Every check compares the sharded call under ``jax.jit`` with the single-device token-serial
+reference in float32: o, h_final and every gradient (A_log and dt_bias included) of
+``sum(o * do) + sum(h_final * dh)``, with the kit's float32 tolerances. Two backends: the
+reference backend (packed sequences and fused activations, so the raw inputs, A_log and dt_bias
+are split per shard) and scan_baseline (packed sequences; the core applies the activations in
+XLA before the shards).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from gdn2core import (
+    gdn2_forward,
+    gdn2_forward_trainable,
+    gdn2_token_serial_reference,
+    register_backend,
+)
+from gdn2core.testing import (
+    FeatureCase,
+    GateHeads,
+    ReferenceBackend,
+    make_feature_inputs,
+    op_function,
+    outputs_and_grads,
+    rel_err,
+    tolerance,
+)
+from gdn2core.testing.feature_suite import ACTIVATION_CASES
+
+if jax.device_count() < 8:
+    pytest.skip("needs 8 devices (run through test_multidevice.py)", allow_module_level=True)
+
+REF = ReferenceBackend.name
+register_backend(ReferenceBackend(), replace=True)
+BACKENDS = [REF, "scan_baseline"]
+
+
+def mesh_of(shape, names):
+    devs = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
+    return Mesh(devs, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def place(x, mesh, tok):
+    """x's token arrays (and o's cotangent) on ``tok``; the state arrays on (batch, heads)."""
+    st = NamedSharding(mesh, PartitionSpec(tok[0], tok[2], None, None))
+    put = {n: jax.device_put(getattr(x, n), NamedSharding(mesh, tok)) for n in "qkvwbg"}
+    put["do"] = jax.device_put(x.do, NamedSharding(mesh, tok))
+    put["h0"] = jax.device_put(x.h0, st)
+    put["dh"] = jax.device_put(x.dh, st)
+    return dataclasses.replace(x, **put)
+
+
+def check_sharded(x, backend, **sharding):
+    """The sharded trainable call (under jit) against the single-device reference."""
+    got = outputs_and_grads(op_function(gdn2_forward_trainable, x, backend=backend, **sharding), x)
+    want = outputs_and_grads(op_function(gdn2_token_serial_reference, x), x)
+    o, h, grads = got
+    o_r, h_r, grads_r = want
+    errs = {"o": rel_err(o, o_r), "h_final": rel_err(h, h_r)}
+    errs |= {n: rel_err(a, e) for n, a, e in zip(x.grad_names, grads, grads_r, strict=True)}
+    bad = {n: e for n, e in errs.items() if e > tolerance("float32", n)}
+    assert not bad, f"errors above tolerance: {bad} (all: {errs})"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_head_sharding_with_all_features(backend):
+    """Batch over x (2), heads over y (4): segment_ids split by batch; H = 4 key heads and
+    HV = 8 value heads split alike (b, g shared: 1 key head, 2 value heads per device); A_log and
+    dt_bias split by heads."""
+    case = FeatureCase(B=2, T=24, H=4, dk=8, dv=4, groups=2, rows=((3, 1, 9, 11), (12, 12)),
+                       activations=ACTIVATION_CASES[0], seed=1)  # fmt: skip
+    mesh = mesh_of((2, 4), ("x", "y"))
+    x = place(make_feature_inputs(case), mesh, PartitionSpec("x", None, "y", None))
+    check_sharded(x, backend, batch_axes="x", head_axes="y")
+
+
+#: Row 0: a sequence across the boundary at 12, starts exactly at the shard boundaries 24 and
+#: 36, a sequence of one token; row 1: one sequence across two boundaries, a start at 30.
+CP_ROWS = ((5, 14, 5, 12, 1, 11), (30, 18))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_context_parallel_with_segments(backend):
+    """Time over c (4 shards of 12), batch over d (2): sequences cross shard boundaries and start
+    exactly at them; with GVA (b, g on value heads) and the bounded gate."""
+    case = FeatureCase(B=2, T=48, H=1, dk=8, dv=4, groups=2, gate_heads=GateHeads.VALUE,
+                       rows=CP_ROWS, activations=ACTIVATION_CASES[1], seed=2)  # fmt: skip
+    mesh = mesh_of((4, 2), ("c", "d"))
+    x = place(make_feature_inputs(case), mesh, PartitionSpec("d", "c", None, None))
+    check_sharded(x, backend, context_axis="c", batch_axes="d")
+
+
+def test_varlen_head_sharding_and_context_refusal():
+    """cu_seqlens with heads over 4 devices (h0 and h_final per sequence, split by heads); with
+    context parallelism it is refused, naming cu_seqlens."""
+    case = FeatureCase(B=1, T=24, H=4, dk=8, dv=4, seqlens=(3, 0, 12, 9), seed=3)
+    mesh = mesh_of((4,), ("y",))
+    x = make_feature_inputs(case)
+    put = {n: jax.device_put(getattr(x, n), NamedSharding(mesh, PartitionSpec(None, None, "y")))
+           for n in "qkvwbg"}  # fmt: skip
+    x = dataclasses.replace(x, **put)
+    check_sharded(x, REF, head_axes="y")
+    with pytest.raises(ValueError, match="cu_seqlens: context parallelism .* not supported"):
+        gdn2_forward(*x.args, h0=x.h0, backend=REF, mesh=mesh_of((4,), ("c",)),
+                     context_axis="c", **x.options)  # fmt: skip
+
+
+def test_segments_without_sharding_keywords_follow_the_inputs():
+    """Eager call on batch-sharded inputs with segment_ids: the plan comes from q's sharding."""
+    case = FeatureCase(B=8, T=8, H=1, dk=4, dv=4, rows=((3, 5),) * 8, seed=4)
+    mesh = mesh_of((8,), ("d",))
+    x = make_feature_inputs(case)
+    args = [jax.device_put(a, NamedSharding(mesh, PartitionSpec("d"))) for a in x.args]
+    o, h = gdn2_forward(*args, h0=x.h0, backend="scan_baseline", **x.options)
+    o_r, h_r = gdn2_token_serial_reference(*x.args, h0=x.h0, **x.options)
+    assert rel_err(o, o_r) < tolerance("float32", "o") and rel_err(h, h_r) < 1e-4
+    assert o.sharding.spec[0] == "d"

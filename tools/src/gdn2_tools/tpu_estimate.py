@@ -1,0 +1,189 @@
+"""``gdn2 tpu-report --estimate``: TPU time of the train step and the forward, per kernel, from the
+TPU compiler's static cycle estimate (:mod:`gdn2_tools.static_profile`), next to the roofline of
+the operator and to the pure-JAX chunked backend compiled by XLA for the same TPU.
+
+Every figure here is a compiler estimate, not a measurement (no TPU is used); on real kernels it
+has been about 1.3x optimistic, so compare ratios. The roofline is docs/algorithm.md section 9:
+per pass, the larger of its minimum FLOPs at the bf16 MXU rate and its minimum HBM bytes (inputs
+and outputs once) at the HBM rate; the train step is forward plus backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Final
+
+from gdn2_tools.static_profile import LABEL, Estimate, Program, estimate, estimate_fit
+
+#: bf16 matmul FLOP/s and HBM bytes/s per chip.
+PEAKS: Final = {"v5e": (197e12, 819e9), "v6e": (918e12, 1640e9)}
+#: Small (B, T) shapes at which the Pallas kernels are simulated, then extrapolated in B * T.
+FIT_POINTS: Final = ((1, 512), (1, 1024))
+#: Backends whose kernels the profiler simulates directly at the requested shape (no Pallas
+#: kernels: XLA ops only).
+XLA_ONLY: Final = ("jax_ref",)
+
+
+def roofline_ms(program: Program, tpu: str, C: int) -> float:
+    """Lower bound of ``program`` on ``tpu`` (module docstring), in milliseconds."""
+    flops_peak, bandwidth = PEAKS[tpu]
+    K, V, s = program.dk, program.dv, 4 if program.dtype == "float32" else 2
+    tokens = program.B * program.T * program.H
+    states = program.B * program.H * K * V * 4
+    fwd_flops = 6 * C * K + 4 * C * V + C * C / 3 + 6 * K * V
+    bwd_flops = 12 * C * K + 8 * C * V + 12 * K * V + 6 * C * K + 2 * C * V + C * C / 3 + 4 * K * V
+    fwd = max(
+        tokens * fwd_flops / flops_peak, (tokens * (4 * K + 3 * V) * s + 2 * states) / bandwidth
+    )
+    if program.mode == "forward":
+        return fwd * 1e3
+    bwd = max(
+        tokens * bwd_flops / flops_peak, (tokens * (8 * K + 5 * V) * s + 3 * states) / bandwidth
+    )
+    return (fwd + bwd) * 1e3
+
+
+def run(program: Program, tpu: str, points=FIT_POINTS) -> Estimate:
+    """The estimate of one program (Pallas kernels fitted from small shapes)."""
+    if program.backend in XLA_ONLY:
+        return estimate(program, tpu)
+    return estimate_fit(program, tpu, points)
+
+
+@dataclasses.dataclass
+class Row:
+    program: Program
+    tpu: str
+    ms: float
+    roofline_ms: float
+    trustworthy: bool
+    temp_mib: float | None
+    kernels: dict[str, float]  # kernel name -> ms
+    notes: list[str]
+
+
+def row_of(program: Program, tpu: str, C: int) -> Row:
+    e = run(program, tpu)
+    notes = []
+    if e.error:
+        notes.append(f"error: {e.error[:200]}")
+    if e.unprofiled:
+        notes.append(f"unprofiled (counted 0): {sorted(e.unprofiled)}")
+    for op in e.unmodelled:
+        notes.append(
+            f"{op.name}: remote DMA, estimated 0 (XLA's cost model: "
+            f"{e.ms(op.cost_model_cycles):.3f} ms)"
+        )
+    for op in e.ops:
+        if op.fit and op.fit["max_rel_residual"] > 0.01:
+            notes.append(f"{op.name}: fit residual {100 * op.fit['max_rel_residual']:.1f}%")
+    kernels = {op.name: e.ms(op.total) for op in e.ops if op.kernel}
+    temp = e.temp_bytes / 2**20 if e.temp_bytes is not None else None
+    return Row(
+        program, tpu, e.ms(), roofline_ms(program, tpu, C), e.trustworthy, temp, kernels, notes
+    )
+
+
+def print_row(row: Row, reference: Row | None = None) -> None:
+    p = row.program
+    print(
+        f"  {p.backend} {p.mode}: {row.ms:.3f} ms estimated ({row.ms / row.roofline_ms:.1f}x the "
+        f"roofline {row.roofline_ms:.3f} ms)"
+        + (
+            f"; {reference.ms / row.ms:.1f}x faster than {reference.program.backend}"
+            if reference
+            else ""
+        )
+        + (f"; temp HBM {row.temp_mib:.1f} MiB" if row.temp_mib is not None else "")
+    )
+    for name, ms in sorted(row.kernels.items(), key=lambda kv: -kv[1]):
+        print(f"    kernel {name}: {ms:.3f} ms")
+    for note in row.notes:
+        print(f"    note: {note}")
+    if not row.trustworthy:
+        print("    WARNING: part of this program was not profiled or not modelled (notes above)")
+
+
+def estimate_main(args, config) -> int:
+    """One shape, one generation: the Pallas backend (or ``--backend``) and jax_ref, train and
+    forward."""
+    print(f"gdn2 tpu-report --estimate: {LABEL}")
+    backends = [args.backend or "pallas_tpu", *(b for b in XLA_ONLY if b != args.backend)]
+    rows = {}
+    for mode in ("train", "forward"):
+        for name in backends:
+            program = Program(name, mode, args.batch, args.seq_len, args.heads, args.dk, args.dv,
+                              args.dtype, args.config)  # fmt: skip
+            rows[name, mode] = row_of(program, args.tpu, config.bt)
+        print(f"\n{mode} (B={args.batch} T={args.seq_len} H={args.heads} dk={args.dk} dv={args.dv} "
+              f"{args.dtype}, {args.tpu})")  # fmt: skip
+        ref = rows.get((XLA_ONLY[0], mode))
+        for name in backends:
+            print_row(rows[name, mode], ref if name not in XLA_ONLY else None)
+    return 0 if all(r.trustworthy for r in rows.values()) else 1
+
+
+#: The shapes of the README table: the train shape of the performance target, and a long, wide one.
+TABLE_SHAPES: Final = {"train": (8, 4096, 6, 128, 128), "long": (1, 32768, 16, 128, 128)}
+
+
+def table_main(argv: Sequence[str]) -> int:
+    """``gdn2 tpu-report --table OUT.md [--json OUT.json]``: the README table (every row a compiler
+    estimate): pallas_tpu and jax_ref, train step and forward, per shape, generation and dtype."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="gdn2 tpu-report --table")
+    p.add_argument("--table", required=True, help="markdown output file")
+    p.add_argument("--json", help="raw rows")
+    p.add_argument("--tpus", default="v5e,v6e")
+    p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument("--shapes", default=",".join(TABLE_SHAPES))
+    args = p.parse_args(list(argv))
+    from gdn2core import DEFAULT_CONFIG
+
+    lines = [
+        "| shape | TPU | dtype | mode | pallas_tpu ms | jax_ref ms | roofline ms | pallas / roofline | jax_ref / pallas |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    raw, ok = [], True
+    start = time.time()
+    for shape in args.shapes.split(","):
+        B, T, H, K, V = TABLE_SHAPES[shape]
+        for tpu in args.tpus.split(","):
+            for dtype in args.dtypes.split(","):
+                for mode in ("train", "forward"):
+                    cells = {}
+                    for backend in ("pallas_tpu", "jax_ref"):
+                        program = Program(backend, mode, B, T, H, K, V, dtype)
+                        print(f"[{time.time() - start:6.0f} s] {shape} {tpu} {dtype} {mode} {backend}",
+                              file=sys.stderr, flush=True)  # fmt: skip
+                        cells[backend] = row_of(program, tpu, DEFAULT_CONFIG.bt)
+                        ok &= cells[backend].trustworthy
+                        raw.append(dataclasses.asdict(cells[backend]))
+                    pal, ref = cells["pallas_tpu"], cells["jax_ref"]
+                    flag = "" if pal.trustworthy and ref.trustworthy else " (see notes)"
+                    lines.append(
+                        f"| B={B} T={T} H={H} d={K} | {tpu} | {dtype} | {mode} | {pal.ms:.2f}{flag} | "
+                        f"{ref.ms:.2f} | {pal.roofline_ms:.2f} | {pal.ms / pal.roofline_ms:.1f}x | "
+                        f"{ref.ms / pal.ms:.1f}x |"
+                    )
+    notes = sorted(
+        {
+            f"{r['program']['backend']} {r['program']['mode']} {r['tpu']}: {n}"
+            for r in raw
+            for n in r["notes"]
+        }
+    )
+    with open(args.table, "w") as f:
+        f.write(f"Every figure: {LABEL}.\n\n" + "\n".join(lines) + "\n")
+        if notes:
+            f.write("\nNotes:\n" + "\n".join(f"- {n}" for n in notes) + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(raw, f, indent=1)
+    print("\n".join(lines))
+    return 0 if ok else 1
