@@ -99,3 +99,12 @@ def test_train_mqar_two_devices():
     assert "devices: 2 cpu; mesh {'data': 2}" in out, out
     assert "batch sharded 2 per device" in out, out
     assert "final eval accuracy" in out, out
+
+
+def test_train_mqar_packed_smoke():
+    """``--packed 2``: rows of two MQAR examples marked by segment_ids (the learning check, same
+    accuracy as unpacked, is the full run: README, MQAR demo)."""
+    name = _backend()
+    out = _run("train_mqar.py", "--backend", name, "--packed", "2", *TINY_MQAR)
+    assert "packed: 2 examples per row, 2 rows of 24 tokens (segment_ids)" in out, out
+    assert "final eval accuracy" in out, out

@@ -134,6 +134,8 @@ def test_mesh_axes_passed_through(ref_backend, monkeypatch):
     plain = _layer(ref_backend.name)
     x = _x()
     y_sharded, y_plain = sharded(x), plain(x)
+    axes = ("mesh", "batch_axes", "head_axes", "context_axis")
+    seen = [{name: kw[name] for name in axes} for kw in seen]  # (the fused options aside)
     assert seen[0] == dict(mesh=mesh, batch_axes="data", head_axes=None, context_axis=None)
     assert seen[1] == dict(mesh=None, batch_axes=None, head_axes=None, context_axis=None)
     np.testing.assert_allclose(y_sharded, y_plain, rtol=1e-6, atol=1e-6)

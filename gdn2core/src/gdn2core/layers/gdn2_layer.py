@@ -11,6 +11,20 @@ Per token ``x_t`` (``d_model``) and head ``h`` (``H`` heads, key size ``dk``, va
     o, S_T  = gdn2_forward_trainable(q, k, v, w, b, g, scale, h0, config, backend)
     y       = W_o  GatedRMSNorm(o, SiLU(W_gate x))
 
+The L2 norm, the sigmoids and the decay gate are not applied here: the layer passes the raw
+projections with the operator's fused options (``use_qk_l2norm_in_kernel``,
+``use_bw_sigmoid_in_kernel`` / ``allow_neg_eigval``, ``use_gate_in_kernel`` with ``A_log`` and
+``dt_bias``), so a backend that fuses them reads the raw tensors once.
+
+Grouped value heads (``num_v_heads`` = HV, a multiple of H): q, k have H heads; v, w, the output
+gate and the state have HV heads; value head ``j`` reads key head ``j // (HV // H)``. b, g,
+``A_log`` and ``dt_bias`` are per value head (HV), as in fla's GatedDeltaNet and Qwen3-Next
+(``a_proj``/``b_proj`` to ``num_v_heads``); ``key_head_gates=True`` puts them on the H key heads
+instead, which lets the operator compute the key side once per group.
+
+Packed sequences: ``segment_ids`` and ``attention_mask`` (``__call__``) reset both the state and
+the short convolutions' windows at every sequence start.
+
 The operator contract is ``docs/operator.md``; the parameterisation of the decay follows
 fla's KDA/GDN-2 layers (``A_log`` per head initialised from U(1, 16), ``dt_bias`` per key channel
 initialised as the inverse softplus of a log-uniform step in ``[dt_min, dt_max]``).
@@ -36,6 +50,48 @@ def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
+def sequence_starts(
+    shape: tuple[int, int],
+    segment_ids: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+) -> jax.Array | None:
+    """Where packed sequences start: ``(B, T)`` bool, or None when the row is one sequence.
+
+    A sequence starts at token 0, wherever ``segment_ids`` changes, and wherever
+    ``attention_mask`` switches between token (non-zero) and padding (0): every run of tokens and
+    every run of padding is a sequence of its own, so padding never reaches a token.
+
+    Args:
+        shape: ``(B, T)`` of the layer input.
+        segment_ids: ``(B, T)`` integers, or None.
+        attention_mask: ``(B, T)``, non-zero for a token and 0 for padding, or None.
+
+    Raises:
+        ValueError: an argument not of shape ``(B, T)``.
+        TypeError: ``segment_ids`` not integer.
+    """
+    starts = None
+    for name, x in (("segment_ids", segment_ids), ("attention_mask", attention_mask)):
+        if x is None:
+            continue
+        actual = tuple(int(d) for d in jnp.shape(x))
+        if actual != tuple(shape):
+            raise ValueError(f"{name}: expected shape (B, T) = {tuple(shape)}, got {actual}")
+        if name == "segment_ids" and not jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
+            raise TypeError(f"segment_ids: expected an integer dtype, got {jnp.asarray(x).dtype}")
+        x = jnp.asarray(x) if name == "segment_ids" else jnp.asarray(x) != 0
+        change = jnp.pad(x[:, 1:] != x[:, :-1], ((0, 0), (1, 0)), constant_values=True)
+        starts = change if starts is None else starts | change
+    return starts
+
+
+def positions_in_segment(starts: jax.Array) -> jax.Array:
+    """Each token's index in its sequence ``(B, T)`` int32, from :func:`sequence_starts`."""
+    t = jnp.arange(starts.shape[1], dtype=jnp.int32)  # [T]
+    first = jax.lax.cummax(jnp.where(starts, t, 0), axis=1)  # [B, T] start of the token's sequence
+    return t - first
+
+
 class ShortConv(nnx.Module):
     """Causal depthwise 1-D convolution over time followed by SiLU: ``(B, T, C) -> (B, T, C)``.
 
@@ -50,12 +106,20 @@ class ShortConv(nnx.Module):
             jax.random.uniform(rngs.params(), (kernel_size, channels), jnp.float32, -bound, bound)
         )
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """``x`` ``(B, T, C)``; ``positions`` ``(B, T)``: each token's index in its packed sequence
+        (:func:`positions_in_segment`), or None for one sequence per row. Taps reaching before
+        the start of the token's sequence read zeros, as they do before ``t = 0``."""
         K = self.kernel_size
         T = x.shape[1]
         xp = jnp.pad(x, ((0, 0), (K - 1, 0), (0, 0)))
         wt = self.weight[...].astype(x.dtype)
-        y = sum(xp[:, j : j + T, :] * wt[j] for j in range(K))
+        taps = [xp[:, j : j + T, :] for j in range(K)]  # tap j reads token t - (K - 1 - j)
+        if positions is not None:
+            taps = [
+                jnp.where((positions >= K - 1 - j)[..., None], tap, 0) for j, tap in enumerate(taps)
+            ]
+        y = sum(tap * wt[j] for j, tap in enumerate(taps))
         return jax.nn.silu(y)
 
 
@@ -81,6 +145,9 @@ class GDN2Layer(nnx.Module):
         num_heads: H.
         head_dim: dk, the key (and query) head size.
         expand_v: dv = int(expand_v * dk); GDN-2 models often use 2.
+        num_v_heads: HV, the value heads (a multiple of ``num_heads``); None for ``num_heads``.
+        key_head_gates: b, g (and ``A_log``, ``dt_bias``) per key head (H) instead of per value
+            head (HV, fla's and Qwen3-Next's layout); the same without grouped value heads.
         conv_size: kernel size of the short causal convolution on q, k, v (0 disables it).
         lift_b: erase gate in (0, 2) instead of (0, 1) (allows negative eigenvalues).
         backend: gdn2 backend name or "auto" (see ``gdn2 info``).
@@ -94,7 +161,8 @@ class GDN2Layer(nnx.Module):
             found from the inputs' sharding, and a single device runs the plain path.
 
     Raises:
-        ValueError: ``expand_v * head_dim`` is not a positive integer.
+        ValueError: ``expand_v * head_dim`` is not a positive integer, or ``num_v_heads`` not a
+            positive multiple of ``num_heads``.
         TypeError: ``config`` is not a KernelConfig (or None), ``backend`` not a string.
         BackendNotFoundError: ``backend`` names a backend that is not installed (checked here,
             not at the first call).
@@ -120,11 +188,20 @@ class GDN2Layer(nnx.Module):
         batch_axes: str | tuple[str, ...] | None = None,
         head_axes: str | tuple[str, ...] | None = None,
         context_axis: str | None = None,
+        num_v_heads: int | None = None,
+        key_head_gates: bool = False,
         rngs: nnx.Rngs,
     ):
         dv = int(expand_v * head_dim)
         if dv < 1 or dv != expand_v * head_dim:
             raise ValueError(f"expand_v * head_dim must be a positive integer, got {dv}")
+        HV = num_heads if num_v_heads is None else num_v_heads
+        if not isinstance(HV, int) or HV < 1 or HV % num_heads:
+            raise ValueError(
+                f"num_v_heads: expected a positive multiple of num_heads = {num_heads}, got {HV}"
+            )
+        Hg = num_heads if key_head_gates else HV  # heads of b, g, A_log, dt_bias
+        self.num_v_heads, self.gate_heads = HV, Hg
         if config is not None and not isinstance(config, KernelConfig):
             raise TypeError(f"config: expected a KernelConfig or None, got {type(config).__name__}")
         if not isinstance(backend, str):
@@ -149,25 +226,27 @@ class GDN2Layer(nnx.Module):
         self.q_proj, self.k_proj, self.v_proj = (
             lin(d_model, H * dk),
             lin(d_model, H * dk),
-            lin(d_model, H * dv),
+            lin(d_model, HV * dv),
         )
         self.b_proj, self.w_proj, self.f_proj = (
-            lin(d_model, H * dk),
-            lin(d_model, H * dv),
-            lin(d_model, H * dk),
+            lin(d_model, Hg * dk),
+            lin(d_model, HV * dv),
+            lin(d_model, Hg * dk),
         )
-        self.gate_proj = lin(d_model, H * dv)
-        self.o_proj = lin(H * dv, d_model)
+        self.gate_proj = lin(d_model, HV * dv)
+        self.o_proj = lin(HV * dv, d_model)
         if conv_size > 0:
             self.q_conv = ShortConv(H * dk, conv_size, rngs=rngs)
             self.k_conv = ShortConv(H * dk, conv_size, rngs=rngs)
-            self.v_conv = ShortConv(H * dv, conv_size, rngs=rngs)
+            self.v_conv = ShortConv(HV * dv, conv_size, rngs=rngs)
         else:
             self.q_conv = self.k_conv = self.v_conv = None
-        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (H,), jnp.float32, 1, 16)))
+        self.A_log = nnx.Param(
+            jnp.log(jax.random.uniform(rngs.params(), (Hg,), jnp.float32, 1, 16))
+        )
         dt = jnp.exp(
             jax.random.uniform(
-                rngs.params(), (H * dk,), jnp.float32, math.log(dt_min), math.log(dt_max)
+                rngs.params(), (Hg * dk,), jnp.float32, math.log(dt_min), math.log(dt_max)
             )
         )
         self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))  # inverse softplus
@@ -180,11 +259,13 @@ class GDN2Layer(nnx.Module):
             x: the layer input ``(B, T, d_model)``.
 
         Returns:
-            ``(w, b, g)`` shaped ``(B, T, H, dv)``, ``(B, T, H, dk)``, ``(B, T, H, dk)``.
+            ``(w, b, g)`` shaped ``(B, T, HV, dv)``, ``(B, T, Hg, dk)``, ``(B, T, Hg, dk)``
+            (``Hg``: HV, or H with ``key_head_gates``). The layer's call does not use them: it
+            passes the raw projections and has the operator apply these activations.
         """
         B, T, _ = x.shape
-        H = self.num_heads
-        w = jax.nn.sigmoid(self.w_proj(x)).reshape(B, T, H, self.dv)
+        H = self.gate_heads
+        w = jax.nn.sigmoid(self.w_proj(x)).reshape(B, T, self.num_v_heads, self.dv)
         b = jax.nn.sigmoid(self.b_proj(x)).reshape(B, T, H, self.dk)
         if self.lift_b:
             b = 2.0 * b
@@ -192,29 +273,78 @@ class GDN2Layer(nnx.Module):
         g = -jnp.exp(self.A_log[...])[:, None] * jax.nn.softplus(f.reshape(B, T, H, self.dk))
         return w, b, g.astype(x.dtype)
 
+    def fused_options(self) -> dict:
+        """The operator's fused-activation keywords of this layer: L2 norm of q, k, the sigmoids of
+        b (``2 * sigmoid`` with ``lift_b``) and w, and the softplus decay gate with ``A_log`` and
+        ``dt_bias`` reshaped to ``(Hg, dk)``."""
+        return dict(
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            A_log=self.A_log[...],
+            dt_bias=self.dt_bias[...].reshape(self.gate_heads, self.dk),
+            use_bw_sigmoid_in_kernel=True,
+            allow_neg_eigval=self.lift_b,
+        )
+
     def __call__(
-        self, x: jax.Array, *, h0: jax.Array | None = None, return_state: bool = False
+        self,
+        x: jax.Array,
+        *,
+        h0: jax.Array | None = None,
+        return_state: bool = False,
+        segment_ids: jax.Array | None = None,
+        attention_mask: jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """Mix the tokens of ``x``.
 
         Args:
             x: ``(B, T, d_model)``.
-            h0: the operator's initial state ``(B, H, dk, dv)`` (float32), or None for zeros.
+            h0: the operator's initial state ``(B, HV, dk, dv)`` (float32), or None for zeros.
             return_state: also return the final state.
+            segment_ids: ``(B, T)`` integers, packed sequences: a sequence starts at token 0 and
+                wherever the id changes; the operator's state and the short convolutions' windows
+                restart from zero there (``h0`` enters the first sequence of each row, the final
+                state leaves the last one).
+            attention_mask: ``(B, T)``, non-zero for a token and 0 for padding (any side, any
+                dtype). Each run of tokens and each run of padding becomes a sequence of its own
+                (with ``segment_ids`` too, both split), so padding never reaches a token; a row
+                with padding between tokens is split there into separate sequences. ``y`` is 0 at
+                padded positions (and so passes no gradient there). Not with ``h0`` or
+                ``return_state``: the state entering or leaving a row could be a padding run's.
 
         Returns:
             ``y`` ``(B, T, d_model)``, or ``(y, h_final)`` with ``return_state``.
+
+        Raises:
+            ValueError: ``segment_ids`` or ``attention_mask`` not ``(B, T)``; ``attention_mask``
+                with ``h0`` or ``return_state``.
+            TypeError: ``segment_ids`` not integer.
         """
         B, T, _ = x.shape
         H, dk, dv = self.num_heads, self.dk, self.dv
+        HV, Hg = self.num_v_heads, self.gate_heads
+        if attention_mask is not None and (h0 is not None or return_state):
+            raise ValueError(
+                "attention_mask: not with h0 or return_state (the state entering or leaving a row "
+                "would be a padding run's); pass segment_ids for packed rows that carry a state"
+            )
+        starts = sequence_starts((B, T), segment_ids, attention_mask)
+        positions = None if starts is None else positions_in_segment(starts)
         x = x.astype(self.dtype)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_conv is not None:
-            q, k, v = self.q_conv(q), self.k_conv(k), self.v_conv(v)
-        q = _l2norm(q.reshape(B, T, H, dk))
-        k = _l2norm(k.reshape(B, T, H, dk))
-        v = v.reshape(B, T, H, dv)
-        w, b, g = self.gates(x)
+            q, k, v = (
+                self.q_conv(q, positions),
+                self.k_conv(k, positions),
+                self.v_conv(v, positions),
+            )
+        q = q.reshape(B, T, H, dk)  # raw: the operator normalises q and k
+        k = k.reshape(B, T, H, dk)
+        v = v.reshape(B, T, HV, dv)
+        w = self.w_proj(x).reshape(B, T, HV, dv)  # raw: the operator applies the sigmoids
+        b = self.b_proj(x).reshape(B, T, Hg, dk)
+        g = self.f_proj(x).reshape(B, T, Hg, dk)  # raw: the operator applies the decay gate
+        seg = None if starts is None else jnp.cumsum(starts, axis=1, dtype=jnp.int32)
         o, h_final = gdn2_forward_trainable(
             q,
             k,
@@ -230,7 +360,11 @@ class GDN2Layer(nnx.Module):
             batch_axes=self.batch_axes,
             head_axes=self.head_axes,
             context_axis=self.context_axis,
+            segment_ids=seg,
+            **self.fused_options(),
         )
-        gate = self.gate_proj(x).reshape(B, T, H, dv)
-        y = self.o_proj(self.o_norm(o, gate).reshape(B, T, H * dv))
+        gate = self.gate_proj(x).reshape(B, T, HV, dv)
+        y = self.o_proj(self.o_norm(o, gate).reshape(B, T, HV * dv))
+        if attention_mask is not None:
+            y = jnp.where((jnp.asarray(attention_mask) != 0)[..., None], y, 0)
         return (y, h_final) if return_state else y
