@@ -7,6 +7,8 @@ STAMP := $(VENV)/.installed
 export JAX_PLATFORMS ?= cpu
 # libtpu, loaded for deviceless TPU compiles, would write ~1 GB of logs per process to /tmp/tpu_logs.
 export TPU_LOG_DIR ?= disabled
+# Deviceless compiles load libtpu in each pytest worker; no TPU is opened, so several may load it.
+export ALLOW_MULTIPLE_LIBTPU_LOAD ?= 1
 export PYTHONUNBUFFERED := 1
 
 # The first Python >= 3.12 on PATH (a .python-version file makes pyenv provide 3.12).
@@ -41,8 +43,9 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# Two workers (pytest-xdist): the TPU interpret-mode tests are single-threaded Python.
 test: lint
-	$(PY) -m pytest -m "not slow" -q
+	$(PY) -m pytest -m "not slow" -q -n 2
 
 # A second environment with every declared dependency at its floor (.ci/floors.py), installed
 # from the package folders as a user would (not editable), then the core and jax_ref tests.

@@ -105,7 +105,7 @@ def main(argv=None) -> int:
 
     @nnx.jit
     def serve(model, tokens, caches):
-        return model(tokens, caches)
+        return model(tokens, caches=caches)
 
     full = forward(model, tokens)  # one forward over the whole sequence, [B, T, vocab]
     caches = model.init_cache(B, state_dtype=jnp.dtype(args.state_dtype))

@@ -1,6 +1,7 @@
 """Train a small GDN-2 model on multi-query associative recall (MQAR) on the CPU.
 
     python examples/train_mqar.py [--backend auto] [--steps 800] [--seed 0] [--devices N]
+                                  [--packed [K]]
 
 MQAR (Arora et al., "Zoology", 2023) is the standard synthetic test of a recurrent model's memory:
 a sequence first lists ``N`` key-value pairs ``k1 v1 k2 v2 ... kN vN``, then asks for the keys
@@ -19,6 +20,12 @@ optimiser state are replicated, and each ``GDN2Layer`` gets ``mesh=``/``batch_ax
 operator runs once per device on its batch shard (``gdn2core.sharding``). Without N real devices,
 N CPU devices are simulated (``XLA_FLAGS=--xla_force_host_platform_device_count=N``, set below
 before JAX is imported): that checks the sharded program, it does not make training faster.
+
+``--packed [K]`` (K = 4 when omitted) trains on packed sequences: each row concatenates K MQAR
+examples, marked by ``segment_ids`` (B / K rows of K * 3 * pairs tokens, so a step sees the same
+examples and tokens as unpacked), and every ``GDN2Layer`` resets its state and short convolutions
+at each example's first token. It is evaluated on the unpacked evaluation set of the default run,
+so the two accuracies compare directly.
 """
 
 # ruff: noqa: E402  (the device-count flag must be set before JAX is imported)
@@ -77,6 +84,16 @@ def mqar_batch(rng: np.random.Generator, batch: int, pairs: int, vocab: int):
     return tokens.astype(np.int32), targets.astype(np.int32), mask.astype(np.float32)
 
 
+def pack_batch(batch, per_row: int):
+    """``(tokens, targets, mask, segment_ids)``: ``per_row`` consecutive examples of an
+    :func:`mqar_batch` concatenated per row, ``(B / per_row, per_row * 3 * pairs)`` each;
+    ``segment_ids`` numbers the examples of a row."""
+    tokens, targets, mask = (a.reshape(a.shape[0] // per_row, -1) for a in batch)
+    length = batch[0].shape[1]
+    ids = np.repeat(np.arange(per_row, dtype=np.int32), length)  # [per_row * length]
+    return tokens, targets, mask, np.broadcast_to(ids, tokens.shape).copy()
+
+
 # ----------------------------------------------------------------------------------- model
 
 
@@ -97,10 +114,10 @@ class Block(nnx.Module):
         self.up = nnx.Linear(d_model, 4 * d_model, rngs=rngs)
         self.down = nnx.Linear(4 * d_model, d_model, rngs=rngs)
 
-    def __call__(self, x, cache=None):
+    def __call__(self, x, segment_ids=None, cache=None):
         """``x`` -> the block's output; with a ``GDN2Cache``, ``(output, new_cache)``."""
         if cache is None:
-            x = x + self.mixer(self.norm1(x))
+            x = x + self.mixer(self.norm1(x), segment_ids=segment_ids)
         else:
             mixed, cache = self.mixer(self.norm1(x), cache=cache)
             x = x + mixed
@@ -131,16 +148,16 @@ class MQARModel(nnx.Module):
         self.norm = nnx.RMSNorm(d_model, rngs=rngs)
         self.head = nnx.Linear(d_model, vocab, rngs=rngs)
 
-    def __call__(self, tokens, caches=None):
+    def __call__(self, tokens, segment_ids=None, caches=None):
         """Logits ``(B, T, vocab)``; with ``caches`` (one ``GDN2Cache`` per block, see
         :meth:`init_cache`), ``(logits, new_caches)``: a prompt, then one token at a time."""
         x = self.embed(tokens)
         new = []
         for i, block in enumerate(self.blocks):
             if caches is None:
-                x = block(x)
+                x = block(x, segment_ids)
             else:
-                x, cache = block(x, caches[i])
+                x, cache = block(x, cache=caches[i])
                 new.append(cache)
         logits = self.head(self.norm(x))
         return logits if caches is None else (logits, new)
@@ -150,8 +167,8 @@ class MQARModel(nnx.Module):
         return [block.mixer.init_cache(batch, **kw) for block in self.blocks]
 
 
-def loss_and_acc(model, tokens, targets, mask):
-    logits = model(tokens).astype(jnp.float32)
+def loss_and_acc(model, tokens, targets, mask, segment_ids=None):
+    logits = model(tokens, segment_ids).astype(jnp.float32)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     n = jnp.maximum(mask.sum(), 1.0)
     acc = ((logits.argmax(-1) == targets) * mask).sum() / n
@@ -159,10 +176,11 @@ def loss_and_acc(model, tokens, targets, mask):
 
 
 @nnx.jit
-def train_step(model, optimizer, tokens, targets, mask):
-    """One AdamW step on a batch; returns the batch's loss and accuracy."""
+def train_step(model, optimizer, tokens, targets, mask, segment_ids=None):
+    """One AdamW step on a batch (rows of packed examples with ``segment_ids``); returns the
+    batch's loss and accuracy."""
     (loss, acc), grads = nnx.value_and_grad(loss_and_acc, has_aux=True)(
-        model, tokens, targets, mask
+        model, tokens, targets, mask, segment_ids
     )
     optimizer.update(model, grads)
     return loss, acc
@@ -201,9 +219,23 @@ def parse_args(argv):
         default=1,
         help="data-parallel over N devices (simulated CPU devices when fewer are present)",
     )
+    p.add_argument(
+        "--packed",
+        type=int,
+        nargs="?",
+        const=4,
+        default=0,
+        metavar="K",
+        help="train on rows of K packed examples marked by segment_ids (K = 4 if omitted)",
+    )
     args = p.parse_args(argv)
     if args.devices < 1 or args.batch % args.devices:
         p.error(f"--batch {args.batch} must divide by --devices {args.devices} (>= 1)")
+    if args.packed < 0 or (args.packed and args.batch % (args.packed * args.devices)):
+        p.error(
+            f"--packed {args.packed}: --batch {args.batch} must divide by K x --devices "
+            f"{args.devices} (K >= 1)"
+        )
     return args
 
 
@@ -282,6 +314,11 @@ def main(argv=None) -> int:
         f"+ MLP, {n_params:,} parameters; operator q/k {(args.batch, T, H, dk)}, "
         f"v {(args.batch, T, H, dv)}, chunk {config.bt}"
     )
+    if args.packed:
+        print(
+            f"packed: {args.packed} examples per row, {args.batch // args.packed} rows of "
+            f"{args.packed * T} tokens (segment_ids); evaluated unpacked"
+        )
     if mesh is None:
         print(f"devices: 1 ({jax.devices()[0]})")
     else:
@@ -327,6 +364,8 @@ def main(argv=None) -> int:
         compile_s = None
         for step in range(1, args.steps + 1):
             batch = mqar_batch(rng, args.batch, args.pairs, args.vocab)
+            if args.packed:
+                batch = pack_batch(batch, args.packed)
             loss, acc = train_step(model, optimizer, *map(put, batch))
             if compile_s is None:
                 loss = float(loss)

@@ -113,3 +113,12 @@ def test_generate_prefill_and_decode_match_one_forward():
     assert f"backend: decode {name}" in out, out
     assert "prefill 9 tokens + 3 decode steps x 2 sequences" in out, out
     assert "relative error" in out and "tokens/s" in out, out
+
+
+def test_train_mqar_packed_smoke():
+    """``--packed 2``: rows of two MQAR examples marked by segment_ids (the learning check, same
+    accuracy as unpacked, is the full run: README, MQAR demo)."""
+    name = _backend()
+    out = _run("train_mqar.py", "--backend", name, "--packed", "2", *TINY_MQAR)
+    assert "packed: 2 examples per row, 2 rows of 24 tokens (segment_ids)" in out, out
+    assert "final eval accuracy" in out, out

@@ -13,9 +13,9 @@ class LayerTestReference(ReferenceBackend):
     name = "layer_test_reference"
     calls = 0
 
-    def forward(self, q, k, v, w, b, g, h0, *, spec, config):
+    def forward(self, q, k, v, w, b, g, h0, *, spec, config, extras=None):
         type(self).calls += 1
-        return super().forward(q, k, v, w, b, g, h0, spec=spec, config=config)
+        return super().forward(q, k, v, w, b, g, h0, spec=spec, config=config, extras=extras)
 
 
 @pytest.fixture

@@ -135,6 +135,8 @@ def test_mesh_axes_passed_through(ref_backend, monkeypatch):
     plain = _layer(ref_backend.name)
     x = _x()
     y_sharded, y_plain = sharded(x), plain(x)
+    axes = ("mesh", "batch_axes", "head_axes", "context_axis")
+    seen = [{name: kw[name] for name in axes} for kw in seen]  # (the fused options aside)
     assert seen[0] == dict(mesh=mesh, batch_axes="data", head_axes=None, context_axis=None)
     assert seen[1] == dict(mesh=None, batch_axes=None, head_axes=None, context_axis=None)
     np.testing.assert_allclose(y_sharded, y_plain, rtol=1e-6, atol=1e-6)
@@ -193,7 +195,26 @@ def test_cache_bfloat16_state_and_no_convolutions(ref_backend):
     assert 0 < err <= 2e-2
 
 
+@pytest.mark.parametrize(
+    "key_head_gates", [False, True], ids=["value-head-gates", "key-head-gates"]
+)
+def test_cache_with_grouped_value_heads(ref_backend, key_head_gates):
+    """num_v_heads = 2 H (b, g on value heads, or on key heads): prefill and one-token decode steps
+    (the decode op with the layer's fused options, applied by the core in XLA) equal one call
+    (the reference applying them token by token): 1e-5, as above."""
+    layer = _layer(ref_backend.name, num_v_heads=2 * H, key_head_gates=key_head_gates)
+    x = _x(T=9)
+    y_full, h_full = _apply_state(layer, x)
+    y, cache = _served(layer, x, (6, 7, 8))
+    assert cache.state.shape == (2, 2 * H, DK, DK)
+    np.testing.assert_allclose(y, y_full, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cache.state, h_full, rtol=1e-5, atol=1e-6)
+
+
 def test_cache_refuses_h0(ref_backend):
     layer = _layer(ref_backend.name)
     with pytest.raises(ValueError, match="cache: the cache holds the state"):
         layer(_x(T=2), h0=jnp.zeros((2, H, DK, DK)), cache=layer.init_cache(2))
+    ids = jnp.zeros((2, 2), jnp.int32)
+    with pytest.raises(ValueError, match="pass none of .* got segment_ids"):
+        layer(_x(T=2), segment_ids=ids, cache=layer.init_cache(2))

@@ -71,11 +71,14 @@ def test_vmem_byte_model_is_enough_for_the_compiler(dtype):
     for backward in (False, True):
         limit = dataclasses.replace(plan, vmem_limit_bytes=vmem_bytes(plan, backward)["total"])
         if backward:
-            args = (key, key, val, val, key, key, val, packed, states, state)
-            fn = functools.partial(backward_call, plan=limit)
+            # q k v w b g dO, no starts / gate parameters / chunk table / per-sequence states
+            args = (key, key, val, val, key, key, val, None, None, None, None, None)
+            args += (packed, states, state)
         else:
-            args = (key, key, val, val, key, key, state)
-            fn = functools.partial(forward_call, plan=limit, save=True)
+            args = (key, key, val, val, key, key, None, None, None, None, state)
+        fn = functools.partial(backward_call if backward else forward_call, plan=limit)
+        if not backward:
+            fn = functools.partial(fn, save=True)
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).compile().as_text()
         assert "tpu_custom_call" in text
 

@@ -11,10 +11,24 @@ Per token ``x_t`` (``d_model``) and head ``h`` (``H`` heads, key size ``dk``, va
     o, S_T  = gdn2_forward_trainable(q, k, v, w, b, g, scale, h0, config, backend)
     y       = W_o  GatedRMSNorm(o, SiLU(W_gate x))
 
+The L2 norm, the sigmoids and the decay gate are not applied here: the layer passes the raw
+projections with the operator's fused options (``use_qk_l2norm_in_kernel``,
+``use_bw_sigmoid_in_kernel`` / ``allow_neg_eigval``, ``use_gate_in_kernel`` with ``A_log`` and
+``dt_bias``), so a backend that fuses them reads the raw tensors once.
+
+Grouped value heads (``num_v_heads`` = HV, a multiple of H): q, k have H heads; v, w, the output
+gate and the state have HV heads; value head ``j`` reads key head ``j // (HV // H)``. b, g,
+``A_log`` and ``dt_bias`` are per value head (HV), as in fla's GatedDeltaNet and Qwen3-Next
+(``a_proj``/``b_proj`` to ``num_v_heads``); ``key_head_gates=True`` puts them on the H key heads
+instead, which lets the operator compute the key side once per group.
+
+Packed sequences: ``segment_ids`` and ``attention_mask`` (``__call__``) reset both the state and
+the short convolutions' windows at every sequence start.
+
 Serving: :meth:`GDN2Layer.init_cache` and ``layer(x, cache=cache) -> (y, new_cache)`` carry
 the short convolutions' last inputs and the recurrent state from call to call: a prompt runs the
-chunked forward (prefill), then one token per call runs the decode op (``gdn2_decode``); split
-anywhere, the outputs are those of one call over the whole sequence.
+chunked forward (prefill), then one token per call runs the decode op (``gdn2_decode``, with the
+same fused options); split anywhere, the outputs are those of one call over the whole sequence.
 
 The operator contract is ``docs/operator.md``; the parameterisation of the decay follows
 fla's KDA/GDN-2 layers (``A_log`` per head initialised from U(1, 16), ``dt_bias`` per key channel
@@ -56,7 +70,7 @@ class GDN2Cache:
     Attributes:
         conv_q, conv_k, conv_v: the last ``conv_size - 1`` inputs of each short convolution
             ``(B, conv_size - 1, channels)`` (None without convolutions).
-        state: the recurrent state ``(B, H, dk, dv)``, float32 or bfloat16 (the decode op's pool,
+        state: the recurrent state ``(B, HV, dk, dv)``, float32 or bfloat16 (the decode op's pool,
             one slot per batch row).
     """
 
@@ -66,13 +80,53 @@ class GDN2Cache:
     state: jax.Array
 
 
+def sequence_starts(
+    shape: tuple[int, int],
+    segment_ids: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+) -> jax.Array | None:
+    """Where packed sequences start: ``(B, T)`` bool, or None when the row is one sequence.
+
+    A sequence starts at token 0, wherever ``segment_ids`` changes, and wherever
+    ``attention_mask`` switches between token (non-zero) and padding (0): every run of tokens and
+    every run of padding is a sequence of its own, so padding never reaches a token.
+
+    Args:
+        shape: ``(B, T)`` of the layer input.
+        segment_ids: ``(B, T)`` integers, or None.
+        attention_mask: ``(B, T)``, non-zero for a token and 0 for padding, or None.
+
+    Raises:
+        ValueError: an argument not of shape ``(B, T)``.
+        TypeError: ``segment_ids`` not integer.
+    """
+    starts = None
+    for name, x in (("segment_ids", segment_ids), ("attention_mask", attention_mask)):
+        if x is None:
+            continue
+        actual = tuple(int(d) for d in jnp.shape(x))
+        if actual != tuple(shape):
+            raise ValueError(f"{name}: expected shape (B, T) = {tuple(shape)}, got {actual}")
+        if name == "segment_ids" and not jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
+            raise TypeError(f"segment_ids: expected an integer dtype, got {jnp.asarray(x).dtype}")
+        x = jnp.asarray(x) if name == "segment_ids" else jnp.asarray(x) != 0
+        change = jnp.pad(x[:, 1:] != x[:, :-1], ((0, 0), (1, 0)), constant_values=True)
+        starts = change if starts is None else starts | change
+    return starts
+
+
+def positions_in_segment(starts: jax.Array) -> jax.Array:
+    """Each token's index in its sequence ``(B, T)`` int32, from :func:`sequence_starts`."""
+    t = jnp.arange(starts.shape[1], dtype=jnp.int32)  # [T]
+    first = jax.lax.cummax(jnp.where(starts, t, 0), axis=1)  # [B, T] start of the token's sequence
+    return t - first
+
+
 class ShortConv(nnx.Module):
     """Causal depthwise 1-D convolution over time followed by SiLU: ``(B, T, C) -> (B, T, C)``.
 
     ``y[t, c] = silu(sum_j weight[j, c] * x[t - (K - 1) + j, c])`` with zeros before ``t = 0``, so
-    the output at ``t`` depends only on inputs at ``<= t``. With ``conv_state`` (the ``K - 1``
-    inputs before ``x``, from an earlier call) those take the place of the zeros, and the call also
-    returns the ``K - 1`` inputs the next call needs.
+    the output at ``t`` depends only on inputs at ``<= t``.
     """
 
     def __init__(self, channels: int, kernel_size: int = 4, *, rngs: nnx.Rngs):
@@ -83,8 +137,16 @@ class ShortConv(nnx.Module):
         )
 
     def __call__(
-        self, x: jax.Array, conv_state: jax.Array | None = None
+        self,
+        x: jax.Array,
+        positions: jax.Array | None = None,
+        conv_state: jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """``x`` ``(B, T, C)``; ``positions`` ``(B, T)``: each token's index in its packed sequence
+        (:func:`positions_in_segment`), or None for one sequence per row. Taps reaching before
+        the start of the token's sequence read zeros, as they do before ``t = 0``.
+        ``conv_state`` ``(B, K - 1, C)``: the inputs before ``x`` (serving, one sequence per row);
+        then the result is ``(y, the last K - 1 inputs)``."""
         K = self.kernel_size
         T = x.shape[1]
         if conv_state is None:
@@ -92,10 +154,13 @@ class ShortConv(nnx.Module):
         else:
             xp = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K - 1 + T, C]
         wt = self.weight[...].astype(x.dtype)
-        y = jax.nn.silu(sum(xp[:, j : j + T, :] * wt[j] for j in range(K)))
-        if conv_state is None:
-            return y
-        return y, xp[:, T:]  # the last K - 1 inputs
+        taps = [xp[:, j : j + T, :] for j in range(K)]  # tap j reads token t - (K - 1 - j)
+        if positions is not None:
+            taps = [
+                jnp.where((positions >= K - 1 - j)[..., None], tap, 0) for j, tap in enumerate(taps)
+            ]
+        y = jax.nn.silu(sum(tap * wt[j] for j, tap in enumerate(taps)))
+        return y if conv_state is None else (y, xp[:, T:])
 
 
 class GatedRMSNorm(nnx.Module):
@@ -120,6 +185,9 @@ class GDN2Layer(nnx.Module):
         num_heads: H.
         head_dim: dk, the key (and query) head size.
         expand_v: dv = int(expand_v * dk); GDN-2 models often use 2.
+        num_v_heads: HV, the value heads (a multiple of ``num_heads``); None for ``num_heads``.
+        key_head_gates: b, g (and ``A_log``, ``dt_bias``) per key head (H) instead of per value
+            head (HV, fla's and Qwen3-Next's layout); the same without grouped value heads.
         conv_size: kernel size of the short causal convolution on q, k, v (0 disables it).
         lift_b: erase gate in (0, 2) instead of (0, 1) (allows negative eigenvalues).
         backend: gdn2 backend name or "auto" (see ``gdn2 info``).
@@ -133,7 +201,8 @@ class GDN2Layer(nnx.Module):
             found from the inputs' sharding, and a single device runs the plain path.
 
     Raises:
-        ValueError: ``expand_v * head_dim`` is not a positive integer.
+        ValueError: ``expand_v * head_dim`` is not a positive integer, or ``num_v_heads`` not a
+            positive multiple of ``num_heads``.
         TypeError: ``config`` is not a KernelConfig (or None), ``backend`` not a string.
         BackendNotFoundError: ``backend`` names a backend that is not installed (checked here,
             not at the first call).
@@ -159,11 +228,20 @@ class GDN2Layer(nnx.Module):
         batch_axes: str | tuple[str, ...] | None = None,
         head_axes: str | tuple[str, ...] | None = None,
         context_axis: str | None = None,
+        num_v_heads: int | None = None,
+        key_head_gates: bool = False,
         rngs: nnx.Rngs,
     ):
         dv = int(expand_v * head_dim)
         if dv < 1 or dv != expand_v * head_dim:
             raise ValueError(f"expand_v * head_dim must be a positive integer, got {dv}")
+        HV = num_heads if num_v_heads is None else num_v_heads
+        if not isinstance(HV, int) or HV < 1 or HV % num_heads:
+            raise ValueError(
+                f"num_v_heads: expected a positive multiple of num_heads = {num_heads}, got {HV}"
+            )
+        Hg = num_heads if key_head_gates else HV  # heads of b, g, A_log, dt_bias
+        self.num_v_heads, self.gate_heads = HV, Hg
         if config is not None and not isinstance(config, KernelConfig):
             raise TypeError(f"config: expected a KernelConfig or None, got {type(config).__name__}")
         if not isinstance(backend, str):
@@ -188,25 +266,27 @@ class GDN2Layer(nnx.Module):
         self.q_proj, self.k_proj, self.v_proj = (
             lin(d_model, H * dk),
             lin(d_model, H * dk),
-            lin(d_model, H * dv),
+            lin(d_model, HV * dv),
         )
         self.b_proj, self.w_proj, self.f_proj = (
-            lin(d_model, H * dk),
-            lin(d_model, H * dv),
-            lin(d_model, H * dk),
+            lin(d_model, Hg * dk),
+            lin(d_model, HV * dv),
+            lin(d_model, Hg * dk),
         )
-        self.gate_proj = lin(d_model, H * dv)
-        self.o_proj = lin(H * dv, d_model)
+        self.gate_proj = lin(d_model, HV * dv)
+        self.o_proj = lin(HV * dv, d_model)
         if conv_size > 0:
             self.q_conv = ShortConv(H * dk, conv_size, rngs=rngs)
             self.k_conv = ShortConv(H * dk, conv_size, rngs=rngs)
-            self.v_conv = ShortConv(H * dv, conv_size, rngs=rngs)
+            self.v_conv = ShortConv(HV * dv, conv_size, rngs=rngs)
         else:
             self.q_conv = self.k_conv = self.v_conv = None
-        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (H,), jnp.float32, 1, 16)))
+        self.A_log = nnx.Param(
+            jnp.log(jax.random.uniform(rngs.params(), (Hg,), jnp.float32, 1, 16))
+        )
         dt = jnp.exp(
             jax.random.uniform(
-                rngs.params(), (H * dk,), jnp.float32, math.log(dt_min), math.log(dt_max)
+                rngs.params(), (Hg * dk,), jnp.float32, math.log(dt_min), math.log(dt_max)
             )
         )
         self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))  # inverse softplus
@@ -219,17 +299,32 @@ class GDN2Layer(nnx.Module):
             x: the layer input ``(B, T, d_model)``.
 
         Returns:
-            ``(w, b, g)`` shaped ``(B, T, H, dv)``, ``(B, T, H, dk)``, ``(B, T, H, dk)``.
+            ``(w, b, g)`` shaped ``(B, T, HV, dv)``, ``(B, T, Hg, dk)``, ``(B, T, Hg, dk)``
+            (``Hg``: HV, or H with ``key_head_gates``). The layer's call does not use them: it
+            passes the raw projections and has the operator apply these activations.
         """
         B, T, _ = x.shape
-        H = self.num_heads
-        w = jax.nn.sigmoid(self.w_proj(x)).reshape(B, T, H, self.dv)
+        H = self.gate_heads
+        w = jax.nn.sigmoid(self.w_proj(x)).reshape(B, T, self.num_v_heads, self.dv)
         b = jax.nn.sigmoid(self.b_proj(x)).reshape(B, T, H, self.dk)
         if self.lift_b:
             b = 2.0 * b
         f = self.f_proj(x).astype(jnp.float32) + self.dt_bias[...]
         g = -jnp.exp(self.A_log[...])[:, None] * jax.nn.softplus(f.reshape(B, T, H, self.dk))
         return w, b, g.astype(x.dtype)
+
+    def fused_options(self) -> dict:
+        """The operator's fused-activation keywords of this layer: L2 norm of q, k, the sigmoids of
+        b (``2 * sigmoid`` with ``lift_b``) and w, and the softplus decay gate with ``A_log`` and
+        ``dt_bias`` reshaped to ``(Hg, dk)``."""
+        return dict(
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            A_log=self.A_log[...],
+            dt_bias=self.dt_bias[...].reshape(self.gate_heads, self.dk),
+            use_bw_sigmoid_in_kernel=True,
+            allow_neg_eigval=self.lift_b,
+        )
 
     def init_cache(self, batch: int, *, state_dtype=jnp.float32) -> GDN2Cache:
         """The cache of ``batch`` sequences that have seen no token (zeros), for serving.
@@ -243,7 +338,7 @@ class GDN2Layer(nnx.Module):
         Returns:
             The :class:`GDN2Cache`.
         """
-        H, dk, dv = self.num_heads, self.dk, self.dv
+        H, HV, dk, dv = self.num_heads, self.num_v_heads, self.dk, self.dv
 
         def conv(layer: ShortConv | None, channels: int) -> jax.Array | None:
             if layer is None:
@@ -253,37 +348,45 @@ class GDN2Layer(nnx.Module):
         return GDN2Cache(
             conv_q=conv(self.q_conv, H * dk),
             conv_k=conv(self.k_conv, H * dk),
-            conv_v=conv(self.v_conv, H * dv),
-            state=jnp.zeros((batch, H, dk, dv), state_dtype),
+            conv_v=conv(self.v_conv, HV * dv),
+            state=jnp.zeros((batch, HV, dk, dv), state_dtype),
         )
 
-    def _inputs(self, x: jax.Array, cache: GDN2Cache | None):
-        """q, k, v, w, b, g of the operator (and the new convolution states with a cache)."""
+    def _inputs(self, x: jax.Array, positions: jax.Array | None, cache: GDN2Cache | None):
+        """The operator's raw q, k, v, w, b, g (it applies the activations, :meth:`fused_options`)
+        and, with a cache, the new convolution states."""
         B, T, _ = x.shape
         H, dk, dv = self.num_heads, self.dk, self.dv
+        HV, Hg = self.num_v_heads, self.gate_heads
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         convs = (None, None, None)
         if self.q_conv is not None:
             if cache is None:
-                q, k, v = self.q_conv(q), self.k_conv(k), self.v_conv(v)
+                q, k, v = (
+                    self.q_conv(q, positions),
+                    self.k_conv(k, positions),
+                    self.v_conv(v, positions),
+                )
             else:
                 (q, cq), (k, ck), (v, cv) = (
-                    self.q_conv(q, cache.conv_q),
-                    self.k_conv(k, cache.conv_k),
-                    self.v_conv(v, cache.conv_v),
+                    self.q_conv(q, conv_state=cache.conv_q),
+                    self.k_conv(k, conv_state=cache.conv_k),
+                    self.v_conv(v, conv_state=cache.conv_v),
                 )
                 convs = (cq, ck, cv)
-        q = _l2norm(q.reshape(B, T, H, dk))
-        k = _l2norm(k.reshape(B, T, H, dk))
-        v = v.reshape(B, T, H, dv)
-        w, b, g = self.gates(x)
+        q = q.reshape(B, T, H, dk)  # raw: the operator normalises q and k
+        k = k.reshape(B, T, H, dk)
+        v = v.reshape(B, T, HV, dv)
+        w = self.w_proj(x).reshape(B, T, HV, dv)  # raw: the operator applies the sigmoids
+        b = self.b_proj(x).reshape(B, T, Hg, dk)
+        g = self.f_proj(x).reshape(B, T, Hg, dk)  # raw: the operator applies the decay gate
         return (q, k, v, w, b, g), convs
 
     def _output(self, x: jax.Array, o: jax.Array) -> jax.Array:
         B, T, _ = x.shape
-        H, dv = self.num_heads, self.dv
-        gate = self.gate_proj(x).reshape(B, T, H, dv)
-        return self.o_proj(self.o_norm(o, gate).reshape(B, T, H * dv))
+        HV, dv = self.num_v_heads, self.dv
+        gate = self.gate_proj(x).reshape(B, T, HV, dv)
+        return self.o_proj(self.o_norm(o, gate).reshape(B, T, HV * dv))
 
     def __call__(
         self,
@@ -291,6 +394,8 @@ class GDN2Layer(nnx.Module):
         *,
         h0: jax.Array | None = None,
         return_state: bool = False,
+        segment_ids: jax.Array | None = None,
+        attention_mask: jax.Array | None = None,
         cache: GDN2Cache | None = None,
         decode: bool | None = None,
     ) -> jax.Array | tuple[jax.Array, jax.Array] | tuple[jax.Array, GDN2Cache]:
@@ -298,11 +403,22 @@ class GDN2Layer(nnx.Module):
 
         Args:
             x: ``(B, T, d_model)``.
-            h0: the operator's initial state ``(B, H, dk, dv)`` (float32), or None for zeros.
+            h0: the operator's initial state ``(B, HV, dk, dv)`` (float32), or None for zeros.
             return_state: also return the final state.
+            segment_ids: ``(B, T)`` integers, packed sequences: a sequence starts at token 0 and
+                wherever the id changes; the operator's state and the short convolutions' windows
+                restart from zero there (``h0`` enters the first sequence of each row, the final
+                state leaves the last one).
+            attention_mask: ``(B, T)``, non-zero for a token and 0 for padding (any side, any
+                dtype). Each run of tokens and each run of padding becomes a sequence of its own
+                (with ``segment_ids`` too, both split), so padding never reaches a token; a row
+                with padding between tokens is split there into separate sequences. ``y`` is 0 at
+                padded positions (and so passes no gradient there). Not with ``h0`` or
+                ``return_state``: the state entering or leaving a row could be a padding run's.
             cache: serving (inference only): the :class:`GDN2Cache` of the tokens before ``x``
                 (:meth:`init_cache` for none); the call returns ``(y, new_cache)`` and takes no
-                ``h0``. A prompt (prefill) runs the chunked forward from the cached state; new
+                ``h0``, ``return_state``, ``segment_ids`` or ``attention_mask`` (one sequence per
+                row). A prompt (prefill) runs the chunked forward from the cached state; new
                 tokens (decode steps) run :func:`gdn2core.gdn2_decode` on it.
             decode: with ``cache``, run the decode op (True) or the chunked forward (False);
                 None: the decode op for one token per sequence, else the chunked forward. Both
@@ -313,16 +429,39 @@ class GDN2Layer(nnx.Module):
             with ``cache``.
 
         Raises:
-            ValueError: ``cache`` together with ``h0`` or ``return_state``.
+            ValueError: ``segment_ids`` or ``attention_mask`` not ``(B, T)``; ``attention_mask``
+                with ``h0`` or ``return_state``; ``cache`` with any of ``h0``, ``return_state``,
+                ``segment_ids``, ``attention_mask``.
+            TypeError: ``segment_ids`` not integer.
         """
-        x = x.astype(self.dtype)
+        B, T, _ = x.shape
         if cache is not None:
-            if h0 is not None or return_state:
-                raise ValueError(
-                    "cache: the cache holds the state; pass neither h0 nor return_state with it"
+            given = [
+                name
+                for name, value in (
+                    ("h0", h0),
+                    ("return_state", return_state or None),
+                    ("segment_ids", segment_ids),
+                    ("attention_mask", attention_mask),
                 )
-            return self._serve(x, cache, decode)
-        xs, _ = self._inputs(x, None)
+                if value is not None
+            ]
+            if given:
+                raise ValueError(
+                    f"cache: the cache holds the state of one sequence per row; pass none of "
+                    f"h0, return_state, segment_ids, attention_mask with it, got {', '.join(given)}"
+                )
+            return self._serve(x.astype(self.dtype), cache, decode)
+        if attention_mask is not None and (h0 is not None or return_state):
+            raise ValueError(
+                "attention_mask: not with h0 or return_state (the state entering or leaving a row "
+                "would be a padding run's); pass segment_ids for packed rows that carry a state"
+            )
+        starts = sequence_starts((B, T), segment_ids, attention_mask)
+        positions = None if starts is None else positions_in_segment(starts)
+        x = x.astype(self.dtype)
+        xs, _ = self._inputs(x, positions, None)
+        seg = None if starts is None else jnp.cumsum(starts, axis=1, dtype=jnp.int32)
         o, h_final = gdn2_forward_trainable(
             *xs,
             self.scale,
@@ -333,22 +472,27 @@ class GDN2Layer(nnx.Module):
             batch_axes=self.batch_axes,
             head_axes=self.head_axes,
             context_axis=self.context_axis,
+            segment_ids=seg,
+            **self.fused_options(),
         )
         y = self._output(x, o)
+        if attention_mask is not None:
+            y = jnp.where((jnp.asarray(attention_mask) != 0)[..., None], y, 0)
         return (y, h_final) if return_state else y
 
     def _serve(
         self, x: jax.Array, cache: GDN2Cache, decode: bool | None
     ) -> tuple[jax.Array, GDN2Cache]:
-        xs, (cq, ck, cv) = self._inputs(x, cache)
+        xs, (cq, ck, cv) = self._inputs(x, None, cache)
         state = cache.state
+        fused = self.fused_options()
         if decode if decode is not None else x.shape[1] == 1:
             o, state = gdn2_decode(
-                *xs, state, scale=self.scale, config=self.config, backend=self.backend
+                *xs, state, scale=self.scale, config=self.config, backend=self.backend, **fused
             )
         else:
             o, h_final = gdn2_forward(
-                *xs, self.scale, state.astype(jnp.float32), self.config, self.backend
+                *xs, self.scale, state.astype(jnp.float32), self.config, self.backend, **fused
             )
             state = h_final.astype(state.dtype)
         return self._output(x, o), GDN2Cache(cq, ck, cv, state)

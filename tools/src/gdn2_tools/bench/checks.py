@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from gdn2_tools.bench.programs import REFERENCE_ROW
 from gdn2_tools.bench.runner import RowResult, baselines
-from gdn2_tools.bench.shapes import ACCEPT_REF, ACCEPT_SCAN, BenchShape
+from gdn2_tools.bench.shapes import ACCEPT_REF, ACCEPT_SCAN, PACKED_MAX_RATIO, BenchShape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +101,50 @@ def speed_checks(results: Sequence[RowResult], subject: str | None) -> list[Chec
             )
             desc = target.describe(subject)
             checks.append(Check(desc, target.shape, dtype, ratio >= target.need, detail))
+    return checks
+
+
+def feature_checks(results: Sequence[RowResult], subject: str | None) -> list[Check]:
+    """``subject``'s model-feature rows against their plain counterparts in the same run (fwd+bwd
+    medians): a packed row (``seqs > 1``) against the unpacked row of the same B*T (target:
+    at most :data:`~gdn2_tools.bench.shapes.PACKED_MAX_RATIO` times its time), and a grouped row
+    (``HV``) against the plain call on repeated heads (``H = HV``; target: faster).
+
+    Args:
+        results: the rows.
+        subject: the backend the targets are about (None: no checks).
+
+    Returns:
+        The checks (none when a counterpart is missing).
+    """
+    if subject is None:
+        return []
+    index = {(r.backend, r.shape, r.dtype): r for r in results if r.source == "this run"}
+    checks = []
+    for (name, shape, dtype), row in index.items():
+        if name != subject or not shape.features:
+            continue
+        if shape.seqs > 1 and not shape.HV:
+            base = dataclasses.replace(shape, seqs=1)
+            what, need = "packed / unpacked fwd+bwd time", PACKED_MAX_RATIO
+        elif shape.HV and shape.seqs == 1:
+            base = dataclasses.replace(shape, H=shape.HV, HV=0)
+            what, need = "grouped / repeated-heads fwd+bwd time", 1.0
+        else:
+            continue
+        other = index.get((subject, base, dtype))
+        mine = row.median("fwdbwd")
+        theirs = other.median("fwdbwd") if other is not None else None
+        if mine is None or theirs is None:
+            continue
+        ratio = mine / theirs
+        limit = f"<= {need:g}x" if need != 1.0 else "< 1x"
+        passed = ratio <= need if need != 1.0 else ratio < 1.0
+        detail = (
+            f"{mine * 1e3:.2f} ms vs {theirs * 1e3:.2f} ms at {base.label}: {ratio:.2f}x "
+            f"(need {limit})"
+        )
+        checks.append(Check(f"{subject} {what}", shape, dtype, passed, detail))
     return checks
 
 

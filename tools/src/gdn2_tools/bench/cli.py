@@ -53,14 +53,16 @@ def _common(p: argparse.ArgumentParser) -> None:
         choices=sorted(SHAPE_LISTS),
         default="cpu",
         help="named shape list (default cpu: a few minutes on 2 cores; seed: H=6, d=128, "
-        "T up to 4096)",
+        "T up to 4096; packed: unpacked and packed rows of one B*T; gva: H=16, HV=32 and the "
+        "plain call on repeated heads)",
     )
     p.add_argument(
         "--shape",
         action="append",
         type=_shape_arg,
         metavar="B,T,H,DK,DV",
-        help="explicit shape (repeatable; replaces --shapes)",
+        help="explicit shape (repeatable; replaces --shapes); append ,hv=N for grouped value "
+        "heads, ,seqs=N for N packed sequences per row",
     )
     p.add_argument(
         "--backends",
@@ -256,6 +258,7 @@ def bench_main(argv: Sequence[str]) -> int:
     # simulated devices share this host's cores: no speed targets are judged on them
     subject = trusted_backend() if args.devices == 1 else None
     checks = checks_mod.speed_checks(results, subject)
+    checks += checks_mod.feature_checks(results, subject)
     for path in args.include:
         results += report.rows_from_json(path)
     meta = {

@@ -36,7 +36,8 @@ FALLBACK_MAX_T: Final = 1024
 
 def reference_bytes(shape: BenchShape) -> int:
     """Estimated bytes of the token-serial reference's forward + autodiff backward."""
-    return REFERENCE_STATE_FACTOR * 4 * shape.B * shape.H * shape.T * shape.dk * shape.dv
+    states = shape.B * shape.value_heads * shape.T * shape.dk * shape.dv
+    return REFERENCE_STATE_FACTOR * 4 * states
 
 
 def reference_budget(device_bytes: int) -> int:
@@ -51,7 +52,8 @@ def reference_affordable(shape: BenchShape, device_bytes: int) -> bool:
 
 def fallback_shape(shape: BenchShape) -> BenchShape:
     """The smaller shape the trusted backend is checked at."""
-    return BenchShape(1, min(shape.T, FALLBACK_MAX_T), shape.H, shape.dk, shape.dv)
+    T = min(shape.T, FALLBACK_MAX_T)
+    return dataclasses.replace(shape, B=1, T=T, seqs=min(shape.seqs, T))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,10 @@ reference, whose ``fwd`` is the reference forward and whose gradients are ``jax.
 - ``bwd(vjp_fn, cts) -> grads``: the backward alone, from saved residuals.
 - ``fwdbwd(xs, h0, cts) -> (o, h_final, grads)``: one training step's operator work.
 
-``grads`` is ``(dq, dk, dv, dw, db, dg, dh0)`` for cotangents ``cts = (do, dh)``.
+``grads`` is ``(dq, dk, dv, dw, db, dg, dh0)`` for cotangents ``cts = (do, dh)``. ``fwd``,
+``vjp_fwd`` and ``fwdbwd`` take an optional last argument ``opts``: a dict of non-differentiable
+keywords of the call (the ``segment_ids`` of a packed row, see ``inputs.make_options``), traced as
+an input of the compiled program.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import jax
 
 from gdn2core.api import gdn2_forward, gdn2_forward_trainable
 from gdn2core.config import KernelConfig
-from gdn2core.testing.checks import reference
+from gdn2core.reference import gdn2_token_serial_reference
 
 REFERENCE_ROW = "reference_grad"
 MODES = ("fwd", "bwd", "fwdbwd")
@@ -37,18 +40,18 @@ class Programs:
 
 
 def _make(name: str, infer: Callable, train: Callable) -> Programs:
-    def fwd(xs, h0):
-        return infer(*xs, h0)
+    def fwd(xs, h0, opts=None):
+        return infer(*xs, h0, **(opts or {}))
 
-    def vjp_fwd(xs, h0):
-        return jax.vjp(lambda xs_, h0_: train(*xs_, h0_), xs, h0)
+    def vjp_fwd(xs, h0, opts=None):
+        return jax.vjp(lambda xs_, h0_: train(*xs_, h0_, **(opts or {})), xs, h0)
 
     def bwd(vjp_fn, cts):
         dxs, dh0 = vjp_fn(cts)
         return (*dxs, dh0)
 
-    def fwdbwd(xs, h0, cts):
-        (o, h), vjp_fn = jax.vjp(lambda xs_, h0_: train(*xs_, h0_), xs, h0)
+    def fwdbwd(xs, h0, cts, opts=None):
+        (o, h), vjp_fn = jax.vjp(lambda xs_, h0_: train(*xs_, h0_, **(opts or {})), xs, h0)
         dxs, dh0 = vjp_fn(cts)
         return o, h, (*dxs, dh0)
 
@@ -57,17 +60,21 @@ def _make(name: str, infer: Callable, train: Callable) -> Programs:
 
 def reference_programs() -> Programs:
     """The programs of the ``reference_grad`` row (the token-serial reference, autodiff)."""
+
+    def reference(q, k, v, w, b, g, h0, **opts):
+        return gdn2_token_serial_reference(q, k, v, w, b, g, None, h0, **opts)
+
     return _make(REFERENCE_ROW, reference, reference)
 
 
 def backend_programs(name: str, config: KernelConfig | None = None) -> Programs:
     """The programs of a backend row (the public ops with ``backend=name``)."""
 
-    def infer(q, k, v, w, b, g, h0):
-        return gdn2_forward(q, k, v, w, b, g, None, h0, config, name)
+    def infer(q, k, v, w, b, g, h0, **opts):
+        return gdn2_forward(q, k, v, w, b, g, None, h0, config, name, **opts)
 
-    def train(q, k, v, w, b, g, h0):
-        return gdn2_forward_trainable(q, k, v, w, b, g, None, h0, config, name)
+    def train(q, k, v, w, b, g, h0, **opts):
+        return gdn2_forward_trainable(q, k, v, w, b, g, None, h0, config, name, **opts)
 
     return _make(name, infer, train)
 

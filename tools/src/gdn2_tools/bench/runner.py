@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdn2_tools.bench import gate as gate_mod
-from gdn2_tools.bench.inputs import GRAD_NAMES, make_inputs
+from gdn2_tools.bench.inputs import GRAD_NAMES, make_inputs, make_options
 from gdn2_tools.bench.programs import (
     MODES,
     REFERENCE_ROW,
@@ -186,6 +186,12 @@ def _per_mode(expected: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
+def _opts_args(shape: BenchShape, seed: int) -> tuple:
+    """The programs' optional last argument for ``shape``: ``(opts,)``, or ``()`` without one."""
+    opts = make_options(shape, seed)
+    return (opts,) if opts else ()
+
+
 def _named(o, h, grads) -> dict[str, np.ndarray]:
     out = {"o": o, "h_final": h}
     if grads is not None:
@@ -233,8 +239,9 @@ class Bench:
         xs, h0, (do, dh) = make_inputs(shape, dtype, self.seed)
         xs = tuple(x.astype(jnp.float32) for x in xs)
         cts = (do.astype(jnp.float32), dh)
+        opts = _opts_args(shape, self.seed)
         with jax.default_matmul_precision("highest"):
-            o, h, grads = jax.jit(progs.fwdbwd)(xs, h0, cts)
+            o, h, grads = jax.jit(progs.fwdbwd)(xs, h0, cts, *opts)
         return _named(*_np((o, h, grads)))
 
     def _check_fallback_small(self, shape: BenchShape, dtype: str) -> gate_mod.GateResult | str:
@@ -298,15 +305,16 @@ class Bench:
         xs, h0, cts = make_inputs(shape, dtype, self.seed)
         if self.place is not None:
             xs, h0, cts = self.place(xs, h0, cts)
-        c_fwd, t_fwd = compile_program(progs.fwd, xs, h0)
-        c_vjp, t_vjp = compile_program(progs.vjp_fwd, xs, h0)
-        c_fb, t_fb = compile_program(progs.fwdbwd, xs, h0, cts)
+        opts = _opts_args(shape, self.seed)  # () for a plain shape: the same programs as before
+        c_fwd, t_fwd = compile_program(progs.fwd, xs, h0, *opts)
+        c_vjp, t_vjp = compile_program(progs.vjp_fwd, xs, h0, *opts)
+        c_fb, t_fb = compile_program(progs.fwdbwd, xs, h0, cts, *opts)
         warm: dict[str, float] = {}
-        o_f, h_f = _timed_once(warm, "fwd", c_fwd, xs, h0)
-        _, vjp_fn = run_once(c_vjp, xs, h0)
+        o_f, h_f = _timed_once(warm, "fwd", c_fwd, xs, h0, *opts)
+        _, vjp_fn = run_once(c_vjp, xs, h0, *opts)
         c_bwd, t_bwd = compile_program(progs.bwd, vjp_fn, cts)
         grads_b = _timed_once(warm, "bwd", c_bwd, vjp_fn, cts)
-        o, h, grads = _timed_once(warm, "fwdbwd", c_fb, xs, h0, cts)
+        o, h, grads = _timed_once(warm, "fwdbwd", c_fb, xs, h0, cts, *opts)
         outputs = _named(*_np((o, h, grads)))
         fwd_o, fwd_h = _np((o_f, h_f))
         outputs["o (fwd)"], outputs["h_final (fwd)"] = fwd_o, fwd_h
@@ -317,9 +325,9 @@ class Bench:
         if time:
             result["compile"] = {"fwd": t_fwd, "bwd": t_bwd, "fwdbwd": t_fb, "vjp_fwd": t_vjp}
             programs = {
-                "fwd": (c_fwd, (xs, h0)),
+                "fwd": (c_fwd, (xs, h0, *opts)),
                 "bwd": (c_bwd, (vjp_fn, cts)),
-                "fwdbwd": (c_fb, (xs, h0, cts)),
+                "fwdbwd": (c_fb, (xs, h0, cts, *opts)),
             }
 
             def timer(repeats: int, budget_s: float | None) -> dict[str, list[float]]:
