@@ -121,6 +121,13 @@ class Precisions:
     def uniform(cls, precision: MatmulPrecision) -> Precisions:
         return cls(*(precision,) * 6)
 
+    def __str__(self) -> str:
+        """``"bf16"`` when every stage uses one precision, else ``"scores=bf16x3 inverse=..."``."""
+        values = {f.name: getattr(self, f.name).value for f in dataclasses.fields(self)}
+        if len(set(values.values())) == 1:
+            return f"{next(iter(values.values()))} (every stage)"
+        return " ".join(f"{k}={v}" for k, v in values.items())
+
     def for_interpret(self) -> Precisions:
         """The same rounding, spelled out for TPU interpret mode (matmul.py)."""
         return Precisions(
