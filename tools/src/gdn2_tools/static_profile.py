@@ -69,6 +69,7 @@ class Program:
     config: str = "default"  # "default" or a gdn2core.PRESETS name
     value_heads: int = 0
     pool_dtype: str = "float32"
+    segments: bool = False  # forward/train: with segment_ids (packed sequences)
 
     def at(self, B: int, T: int) -> Program:
         return dataclasses.replace(self, B=B, T=T)
@@ -227,6 +228,7 @@ def _child_main(argv: Sequence[str]) -> int:
         compiled = compile_op(
             program.backend, TOPOLOGIES[tpu], program.mode,
             program.B, program.T, program.H, program.dk, program.dv, program.dtype, config,
+            segments=program.segments,
         )  # fmt: skip
     hlo = compiled.as_text()
     with open(os.path.join(work, "hlo.txt"), "w") as f:

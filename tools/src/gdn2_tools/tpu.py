@@ -11,7 +11,7 @@ from typing import Any, Final
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gdn2core.api import gdn2_forward
 from gdn2core.config import KernelConfig
@@ -70,6 +70,8 @@ def compile_op(
     dv: int,
     dtype: str,
     config: KernelConfig,
+    *,
+    segments: bool = False,
 ):
     """Compile one backend's forward, or its train step, for a TPU topology.
 
@@ -81,6 +83,8 @@ def compile_op(
         B, T, H, dk, dv: the shape.
         dtype: the input dtype.
         config: the kernel config.
+        segments: pass ``segment_ids`` (B, T) int32 as a further argument (packed sequences; the
+            values are unknown at compile time, so a sequence may start at any token).
 
     Returns:
         The compiled executable.
@@ -89,15 +93,23 @@ def compile_op(
 
     mesh = topology_mesh(topology)
     specs = input_specs(mesh, B, T, H, dk, dv, dtype=jnp.dtype(dtype))
+    ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+    extra = (ids,) if segments else ()
     if mode == "forward":
 
-        def fwd(q, k, v, w, b, g, h0):
-            return gdn2_forward(q, k, v, w, b, g, h0=h0, config=config, backend=backend)
+        def fwd(q, k, v, w, b, g, h0, segment_ids=None):
+            return gdn2_forward(q, k, v, w, b, g, h0=h0, segment_ids=segment_ids, config=config,
+                                backend=backend)  # fmt: skip
 
-        return compile_for_tpu(fwd, *specs[:7])
+        return compile_for_tpu(fwd, *specs[:7], *extra)
     if mode != "train":
         raise ValueError(f"mode: expected 'forward' or 'train', got {mode!r}")
-    return compile_for_tpu(train_step(backend=backend, config=config), *specs)
+
+    def step(*args):
+        segment_ids = args[9] if segments else None
+        return train_step(backend=backend, config=config, segment_ids=segment_ids)(*args[:9])
+
+    return compile_for_tpu(step, *specs, *extra)
 
 
 def compile_decode(

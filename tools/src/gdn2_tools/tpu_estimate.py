@@ -117,10 +117,11 @@ def estimate_main(args, config) -> int:
     for mode in ("train", "forward"):
         for name in backends:
             program = Program(name, mode, args.batch, args.seq_len, args.heads, args.dk, args.dv,
-                              args.dtype, args.config)  # fmt: skip
+                              args.dtype, args.config, segments=args.segment_ids)  # fmt: skip
             rows[name, mode] = row_of(program, args.tpu, config.bt)
+        packed = ", segment_ids" if args.segment_ids else ""
         print(f"\n{mode} (B={args.batch} T={args.seq_len} H={args.heads} dk={args.dk} dv={args.dv} "
-              f"{args.dtype}, {args.tpu})")  # fmt: skip
+              f"{args.dtype}, {args.tpu}{packed})")  # fmt: skip
         ref = rows.get((XLA_ONLY[0], mode))
         for name in backends:
             print_row(rows[name, mode], ref if name not in XLA_ONLY else None)

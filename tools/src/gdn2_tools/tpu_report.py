@@ -50,6 +50,12 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         "for the same TPU, train step and forward, against the roofline (minutes)",
     )
     p.add_argument(
+        "--segment-ids",
+        action="store_true",
+        help="with --estimate: the calls take segment_ids (packed sequences; compare with a run "
+        "without it for their cost)",
+    )
+    p.add_argument(
         "--table",
         metavar="OUT.md",
         help="write the README table of estimates (train and long shapes, v5e and v6e, bf16 and "
