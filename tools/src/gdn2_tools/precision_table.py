@@ -21,7 +21,7 @@ VARIANTS: Final = (
     ("float32", "all bf16x3 (three bf16 passes)", ()),
     ("float32", "scores in one bf16 pass, rest bf16x3", ("scores", "score_grads")),
     ("float32", "WY inverse in one bf16 pass, rest bf16x3", ("inverse",)),
-    ("float32", "`Y | U` in one bf16 pass", ("wy",)),
+    ("float32", "`Y`, `U` in one bf16 pass", ("wy",)),
     ("float32", "state pass in one bf16 pass", ("state",)),
     ("bfloat16", "all one bf16 pass", ()),
 )
