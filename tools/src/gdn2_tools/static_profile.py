@@ -54,7 +54,8 @@ LABEL: Final = "TPU compiler static cycle estimate (libtpu LLO profile), not a m
 class Program:
     """What to compile: one backend's forward, train step or decode step through the public op.
 
-    For ``mode="decode"``: ``B`` is the number of sequences N, ``T`` the tokens per sequence S,
+    ``value_heads`` HV (0: H): grouped value heads (b, g on the H key heads). For
+    ``mode="decode"``: ``B`` is the number of sequences N, ``T`` the tokens per sequence S,
     ``H`` the key heads, ``value_heads`` HV (0: H), and the pool is ``pool_dtype`` with one slot
     per sequence, donated (:func:`gdn2_tools.tpu.compile_decode`)."""
 
@@ -228,7 +229,7 @@ def _child_main(argv: Sequence[str]) -> int:
         compiled = compile_op(
             program.backend, TOPOLOGIES[tpu], program.mode,
             program.B, program.T, program.H, program.dk, program.dv, program.dtype, config,
-            segments=program.segments,
+            segments=program.segments, value_heads=program.value_heads,
         )  # fmt: skip
     hlo = compiled.as_text()
     with open(os.path.join(work, "hlo.txt"), "w") as f:

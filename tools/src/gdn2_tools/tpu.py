@@ -72,6 +72,7 @@ def compile_op(
     config: KernelConfig,
     *,
     segments: bool = False,
+    value_heads: int = 0,
 ):
     """Compile one backend's forward, or its train step, for a TPU topology.
 
@@ -85,6 +86,8 @@ def compile_op(
         config: the kernel config.
         segments: pass ``segment_ids`` (B, T) int32 as a further argument (packed sequences; the
             values are unknown at compile time, so a sequence may start at any token).
+        value_heads: grouped value heads: v, w, h0 and the cotangents with this many heads
+            (q, k, b, g keep ``H``); 0: ``H``.
 
     Returns:
         The compiled executable.
@@ -93,6 +96,9 @@ def compile_op(
 
     mesh = topology_mesh(topology)
     specs = input_specs(mesh, B, T, H, dk, dv, dtype=jnp.dtype(dtype))
+    if value_heads and value_heads != H:  # v, w, h0, do, dh on the value heads
+        grouped = input_specs(mesh, B, T, value_heads, dk, dv, dtype=jnp.dtype(dtype))
+        specs = tuple(grouped[i] if i in (2, 3, 6, 7, 8) else x for i, x in enumerate(specs))
     ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
     extra = (ids,) if segments else ()
     if mode == "forward":

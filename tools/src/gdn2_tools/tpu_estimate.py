@@ -29,11 +29,14 @@ XLA_ONLY: Final = ("jax_ref",)
 
 
 def roofline_ms(program: Program, tpu: str, C: int) -> float:
-    """Lower bound of ``program`` on ``tpu`` (module docstring), in milliseconds."""
+    """Lower bound of ``program`` on ``tpu`` (module docstring), in milliseconds. With grouped
+    value heads, that of the plain call on the value heads (the key side shared by a group can
+    make the grouped call faster than it)."""
     flops_peak, bandwidth = PEAKS[tpu]
     K, V, s = program.dk, program.dv, 4 if program.dtype == "float32" else 2
-    tokens = program.B * program.T * program.H
-    states = program.B * program.H * K * V * 4
+    heads = program.value_heads or program.H
+    tokens = program.B * program.T * heads
+    states = program.B * heads * K * V * 4
     fwd_flops = 6 * C * K + 4 * C * V + C * C / 3 + 6 * K * V
     bwd_flops = 12 * C * K + 8 * C * V + 12 * K * V + 6 * C * K + 2 * C * V + C * C / 3 + 4 * K * V
     fwd = max(
@@ -81,6 +84,8 @@ def row_of(program: Program, tpu: str, C: int) -> Row:
     for op in e.ops:
         if op.fit and op.fit["max_rel_residual"] > 0.01:
             notes.append(f"{op.name}: fit residual {100 * op.fit['max_rel_residual']:.1f}%")
+    if program.value_heads and program.value_heads != program.H:
+        notes.append(f"roofline: the plain call on {program.value_heads} heads (no sharing)")
     kernels = {op.name: e.ms(op.total) for op in e.ops if op.kernel}
     temp = e.temp_bytes / 2**20 if e.temp_bytes is not None else None
     return Row(
@@ -117,9 +122,12 @@ def estimate_main(args, config) -> int:
     for mode in ("train", "forward"):
         for name in backends:
             program = Program(name, mode, args.batch, args.seq_len, args.heads, args.dk, args.dv,
-                              args.dtype, args.config, segments=args.segment_ids)  # fmt: skip
+                              args.dtype, args.config, value_heads=args.value_heads,
+                              segments=args.segment_ids)  # fmt: skip
             rows[name, mode] = row_of(program, args.tpu, config.bt)
-        packed = ", segment_ids" if args.segment_ids else ""
+        packed = (f", HV={args.value_heads}" if args.value_heads else "") + (
+            ", segment_ids" if args.segment_ids else ""
+        )
         print(f"\n{mode} (B={args.batch} T={args.seq_len} H={args.heads} dk={args.dk} dv={args.dv} "
               f"{args.dtype}, {args.tpu}{packed})")  # fmt: skip
         ref = rows.get((XLA_ONLY[0], mode))

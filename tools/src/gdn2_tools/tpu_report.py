@@ -50,6 +50,12 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         "for the same TPU, train step and forward, against the roofline (minutes)",
     )
     p.add_argument(
+        "--value-heads",
+        type=int,
+        default=0,
+        help="with --estimate: grouped value heads HV (v, w, the state; b, g on the key heads)",
+    )
+    p.add_argument(
         "--segment-ids",
         action="store_true",
         help="with --estimate: the calls take segment_ids (packed sequences; compare with a run "
