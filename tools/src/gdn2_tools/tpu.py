@@ -37,6 +37,10 @@ def topology_mesh(topology: str, axis: str = "x") -> Mesh:
     # Off a TPU host libtpu logs its failed device probes to /tmp/tpu_logs, about 1 GB per
     # process; the compile needs none of it.
     os.environ.setdefault("TPU_LOG_DIR", "disabled")
+    # Off a TPU VM there is no metadata server and no worker list: say so, instead of letting
+    # libtpu print a multi-line INVALID_ARGUMENT error to stderr before every compile.
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     from jax.experimental import topologies
 
     topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
