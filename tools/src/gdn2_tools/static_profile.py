@@ -33,6 +33,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -251,11 +252,15 @@ def _rss_gb(pid: int) -> float:
 
 
 def _compile_child(program, tpu, work, flags, timeout_s, max_rss_gb) -> tuple[int | str, str]:
+    os.makedirs(os.path.join(work, "logs"), exist_ok=True)
     env = dict(os.environ)
     env.update(
         JAX_PLATFORMS="cpu",
         ALLOW_MULTIPLE_LIBTPU_LOAD="1",
-        TPU_LOG_DIR="disabled",
+        # With the profiler on, libtpu logs about 1 GB per compile, to TPU_LOG_DIR or, with it
+        # disabled, to TMPDIR: both point into the work folder, which estimate() removes.
+        TPU_LOG_DIR=os.path.join(work, "logs"),
+        TMPDIR=work,
         LIBTPU_INIT_ARGS=" ".join([env.get("LIBTPU_INIT_ARGS", ""), *flags]).strip(),
     )
     cmd = [sys.executable, "-m", "gdn2_tools.static_profile", json.dumps(dataclasses.asdict(program)), tpu, work]  # fmt: skip
@@ -298,6 +303,15 @@ def estimate(
         The :class:`Estimate` (``error`` set when the compile failed).
     """
     work = tempfile.mkdtemp(prefix="gdn2_profile_")
+    try:
+        return _estimate_in(
+            work, program, tpu, kernels, xla_ops, extra_flags, timeout_s, max_rss_gb
+        )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _estimate_in(work, program, tpu, kernels, xla_ops, extra_flags, timeout_s, max_rss_gb):
     profile_dir = os.path.join(work, "profile")
     only: str | None = None
     if not (kernels and xla_ops):  # a plain compile names the ops to profile
