@@ -76,10 +76,12 @@ def row_of(program: Program, tpu: str, C: int) -> Row:
         notes.append(f"error: {e.error[:200]}")
     if e.unprofiled:
         notes.append(f"unprofiled (counted 0): {sorted(e.unprofiled)}")
-    for op in e.unmodelled:
+    if e.unmodelled:  # one note per row: how many ops the profiler prices at 0, and their worth
+        largest = max(e.unmodelled, key=lambda op: op.cost_model_cycles)
         notes.append(
-            f"{op.name}: remote DMA, estimated 0 (XLA's cost model: "
-            f"{e.ms(op.cost_model_cycles):.3f} ms)"
+            f"{len(e.unmodelled)} XLA op(s) priced 0 by the profiler (remote DMA); XLA's cost "
+            f"model: {e.ms(sum(op.cost_model_cycles for op in e.unmodelled)):.3f} ms in all "
+            f"(largest {largest.name}: {e.ms(largest.cost_model_cycles):.3f} ms)"
         )
     for op in e.ops:
         if op.fit and op.fit["max_rel_residual"] > 0.01:
@@ -180,13 +182,12 @@ def table_main(argv: Sequence[str]) -> int:
                         f"{ref.ms:.2f} | {pal.roofline_ms:.2f} | {pal.ms / pal.roofline_ms:.1f}x | "
                         f"{ref.ms / pal.ms:.1f}x |"
                     )
-    notes = sorted(
-        {
-            f"{r['program']['backend']} {r['program']['mode']} {r['tpu']}: {n}"
-            for r in raw
-            for n in r["notes"]
-        }
-    )
+    notes = [
+        f"{p['backend']} {p['mode']} B={p['B']} T={p['T']} H={p['H']} {p['dtype']} {r['tpu']}: {n}"
+        for r in raw
+        for p in [r["program"]]
+        for n in r["notes"]
+    ]
     with open(args.table, "w") as f:
         f.write(f"Every figure: {LABEL}.\n\n" + "\n".join(lines) + "\n")
         if notes:
