@@ -19,7 +19,7 @@ from gdn2_jax_ref.params import ChunkParams
 from gdn2_jax_ref.varlen import VarlenLayout, VarlenRows, varlen_length
 from gdn2_jax_ref.vjp import gdn2_chunk_trainable
 from gdn2core import KernelConfig
-from gdn2core.testing import Case, make_inputs, rel_err
+from gdn2core.testing import Case, check_central_differences, make_inputs, rel_err
 from tests.jax_ref.reset_reference import serial_varlen
 
 NAMES = ("q", "k", "v", "w", "b", "g", "h0")
@@ -142,18 +142,9 @@ def test_central_differences_f64(x64):
         o, h = gdn2_chunk_trainable(*a, params, None, cu)
         return jnp.sum(o * inp.do) + jnp.sum(h * dh)
 
-    grads = jax.grad(loss, argnums=tuple(range(7)))(*args)
-    rng = np.random.default_rng(0)
-    eps = 1e-5
-    for j, name in enumerate(NAMES):
-        u = jnp.asarray(rng.standard_normal(args[j].shape))
-        plus = [*args[:j], args[j] + eps * u, *args[j + 1 :]]
-        minus = [*args[:j], args[j] - eps * u, *args[j + 1 :]]
-        fd = (loss(*plus) - loss(*minus)) / (2 * eps)
-        an = jnp.sum(grads[j] * u)
-        # Central differences: truncation O(eps^2) ~ 1e-10 and rounding ~ 1e-16 / eps = 1e-11
-        # relative; a missing or misrouted term is O(1e-2) or larger.
-        assert abs(float(fd - an)) < 1e-7 * max(1.0, abs(float(an))), (name, float(fd), float(an))
+    # Central differences: truncation O(eps^2) ~ 1e-10 and rounding ~ 1e-16 / eps = 1e-11
+    # relative; a missing or misrouted term is O(1e-2) or larger.
+    check_central_differences(loss, args, seed=0, eps=1e-5, names=NAMES, rtol=1e-7)
 
 
 @pytest.mark.parametrize("victim", [0, 2, 3])

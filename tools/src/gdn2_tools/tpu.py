@@ -103,8 +103,8 @@ def compile_op(
     if value_heads and value_heads != H:  # v, w, h0, do, dh on the value heads
         grouped = input_specs(mesh, B, T, value_heads, dk, dv, dtype=jnp.dtype(dtype))
         specs = tuple(grouped[i] if i in (2, 3, 6, 7, 8) else x for i, x in enumerate(specs))
-    ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
-    extra = (ids,) if segments else ()
+    replicated = NamedSharding(mesh, PartitionSpec())
+    extra = (jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=replicated),) if segments else ()
     if mode == "forward":
 
         def fwd(q, k, v, w, b, g, h0, segment_ids=None):

@@ -129,12 +129,12 @@ def reference_outputs(x: Inputs) -> tuple[jax.Array, jax.Array]:
 
 
 def check_central_differences(
-    loss: Callable, primals, *, seed: int = 7, eps: float = 1e-6, names=None
+    loss: Callable, primals, *, seed: int = 7, eps: float = 1e-6, names=None, rtol: float = 1e-6
 ):
     """Directional derivatives of ``loss`` (float64) against its autodiff gradients.
 
     For each argument, a random direction ``d``: the central difference
-    ``(loss(x + eps d) - loss(x - eps d)) / 2 eps`` must equal ``<grad, d>`` to ``1e-6`` relative
+    ``(loss(x + eps d) - loss(x - eps d)) / 2 eps`` must equal ``<grad, d>`` to ``rtol`` relative
     (truncation is O(eps^2) ~ 1e-12 and rounding ~ 1e-16 / eps = 1e-10 of |loss|, far below; any
     wrong term is O(1)). Needs ``jax_enable_x64``.
 
@@ -144,6 +144,7 @@ def check_central_differences(
         seed: the directions' seed.
         eps: the step.
         names: the gradients' labels (default: :data:`GRAD_NAMES`, then ``d1``, ``d2``...).
+        rtol: the tolerance, relative to ``max(1, |<grad, d>|)``.
 
     Raises:
         AssertionError: naming the gradient whose derivative disagrees.
@@ -158,7 +159,7 @@ def check_central_differences(
         minus = [p - eps * d if j == i else p for j, p in enumerate(primals)]
         fd = float((loss(*plus) - loss(*minus)) / (2 * eps))
         ad = float(jnp.sum(grads[i] * d))
-        assert abs(fd - ad) <= 1e-6 * max(1.0, abs(ad)), (
+        assert abs(fd - ad) <= rtol * max(1.0, abs(ad)), (
             f"{name}: central difference {fd} vs autodiff {ad}"
         )
 
