@@ -20,3 +20,12 @@ def test_packed_grouped_programs_compile(mode):
     text = compiled.as_text()
     assert "tpu_custom_call" in text
     assert "bf16[1,256,4,64]" in text  # o on the value heads
+
+
+def test_grouped_and_packed_flags_need_estimate(capsys):
+    from gdn2_tools.tpu_report import _parse
+
+    assert _parse(["--estimate", "--value-heads", "32", "--segment-ids"]).value_heads == 32
+    with pytest.raises(SystemExit):
+        _parse(["--value-heads", "32"])
+    assert "apply to --estimate only" in capsys.readouterr().err

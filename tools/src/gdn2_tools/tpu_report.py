@@ -67,7 +67,10 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         help="write the README table of estimates (train and long shapes, v5e and v6e, bf16 and "
         "f32; tens of minutes); see gdn2_tools.tpu_estimate",
     )
-    return p.parse_args(list(argv))
+    args = p.parse_args(list(argv))
+    if (args.segment_ids or args.value_heads) and not args.estimate:
+        p.error("--segment-ids and --value-heads apply to --estimate only")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
