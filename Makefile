@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
-PACKAGES := gdn2core backends/jax_ref backends/scan_baseline backends/pallas_tpu tools
+PACKAGES := gdn2core conformance backends/jax_ref backends/scan_baseline backends/pallas_tpu tools
 STAMP := $(VENV)/.installed
 export JAX_PLATFORMS ?= cpu
 # libtpu, loaded for deviceless TPU compiles, would write ~1 GB of logs per process to /tmp/tpu_logs.
@@ -54,9 +54,9 @@ test-floors:
 	rm -rf $(FLOORS_VENV)
 	$(PYTHON_FOR_VENV) -m venv $(FLOORS_VENV)
 	$(FLOORS_PY) -m pip install -q --upgrade "pip>=25.1"
-	$(FLOORS_PY) .ci/floors.py gdn2core:flax:testing > $(FLOORS_VENV)/constraints.txt
+	$(FLOORS_PY) .ci/floors.py gdn2core:flax > $(FLOORS_VENV)/constraints.txt
 	cat $(FLOORS_VENV)/constraints.txt
-	$(FLOORS_PY) -m pip install -q -c $(FLOORS_VENV)/constraints.txt "./gdn2core[flax,testing]" \
+	$(FLOORS_PY) -m pip install -q -c $(FLOORS_VENV)/constraints.txt "./gdn2core[flax]" ./conformance \
 		./backends/jax_ref ./backends/scan_baseline ./backends/pallas_tpu ./tools
 	$(FLOORS_PY) -m pip list 2>/dev/null | grep -iE "^(jax|jaxlib|numpy|pydantic|pluggy|jaxtyping|flax|optax|pytest|rich) "
 	$(FLOORS_PY) -m pytest -m "not slow and not tpu_compile" -q $(FLOORS_TESTS)

@@ -16,6 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROJECTS = {
     "gdn2core": ROOT / "gdn2core",
+    "conformance": ROOT / "conformance",
     "jax_ref": ROOT / "backends" / "jax_ref",
     "scan_baseline": ROOT / "backends" / "scan_baseline",
     "pallas_tpu": ROOT / "backends" / "pallas_tpu",

@@ -11,5 +11,5 @@ import pytest
 
 @pytest.fixture
 def x64(gdn2_x64):
-    """float64 enabled for the duration of one test (the kit's fixture, gdn2core.testing)."""
+    """float64 enabled for the duration of one test (the kit's fixture, gdn2_conformance)."""
     yield

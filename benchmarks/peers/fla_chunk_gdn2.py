@@ -23,7 +23,7 @@ happen in the warm-up and are reported as ``compile_s`` of the first call.
 
 The gate: fla's outputs (o, h_final) and gradients (dq, dk, dv, dw, db, dg, dh0) for the same
 cotangents are compared with ours by the gate of ``gdn2_tools.bench.gate`` (the conformance kit's
-metric and tolerances, gdn2core.testing); ours is
+metric and tolerances, gdn2_conformance); ours is
 the token-serial reference where affordable, else jax_ref, both in float32 on the dtype-rounded
 inputs. A row that fails is written ``rejected`` and not timed.
 """
@@ -43,7 +43,7 @@ import numpy as np
 from gdn2_tools.bench import gate as gate_mod
 from gdn2_tools.bench.inputs import bench_case
 from gdn2_tools.bench.shapes import SHAPE_LISTS, BenchShape, parse_shape
-from gdn2core.testing import GRAD_NAMES, TOLERANCES, make_arrays
+from gdn2_conformance import GRAD_NAMES, TOLERANCES, make_arrays
 
 
 def _arrays(shape: BenchShape, seed: int) -> tuple[dict, dict]:

@@ -1,4 +1,4 @@
-"""gdn2's own backends through the conformance kit (gdn2core.testing): one line per target.
+"""gdn2's own backends through the conformance kit (gdn2_conformance): one line per target.
 
 The cases, tolerances (with their reasons) and checks live in the kit, so that these targets and
 a third party's backend (``gdn2 conformance NAME``) are held to the same suite. A target claims
@@ -9,8 +9,8 @@ claim never includes a gated feature the backend does not declare (``Capabilitie
 
 from __future__ import annotations
 
+from gdn2_conformance import SMALL_CONFIG, ConformanceSuite, Feature, Target
 from gdn2core import KernelConfig
-from gdn2core.testing import SMALL_CONFIG, ConformanceSuite, Feature, Target
 
 HEADS = ((8, 8), (8, 12), (12, 6))
 

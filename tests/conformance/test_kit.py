@@ -9,8 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from gdn2core.registry import get_backend
-from gdn2core.testing import (
+from gdn2_conformance import (
     GATED_FEATURES,
     Case,
     Feature,
@@ -21,6 +20,7 @@ from gdn2core.testing import (
     rel_err,
     tolerance,
 )
+from gdn2core.registry import get_backend
 from tests.support.plugins import installed_plugins, subprocess_env
 
 

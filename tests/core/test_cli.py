@@ -85,18 +85,19 @@ def test_a_broken_plugin_costs_only_its_own_commands(tmp_path, capsys):
         assert main(["info"]) == 0
 
 
-def test_conformance_without_pytest_says_how_to_install(monkeypatch, capsys):
-    import importlib.util
+def test_a_command_of_an_uninstalled_distribution_says_how_to_install(monkeypatch, capsys):
+    from gdn2core import cli
 
-    from gdn2core import commands
-
-    real = importlib.util.find_spec
+    real = cli.discover_commands
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda n, *a: None if n == "pytest" else real(n, *a)
+        cli,
+        "discover_commands",
+        lambda: ({k: v for k, v in real()[0].items() if k != "conformance"}, []),
     )
-    assert commands.conformance_main(["jax_ref"]) == 2
+    assert main(["conformance", "jax_ref"]) == 2
     err = capsys.readouterr().err
-    assert "needs pytest, which is not installed" in err and "gdn2core[testing] @ git+" in err
+    assert "comes with gdn2-conformance" in err and "gdn2-conformance @ git+" in err
+    assert "#subdirectory=conformance" in err
 
 
 def test_conformance_needs_a_name():

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import gdn2core
+from gdn2_conformance import DecodeCase, make_decode_inputs, rel_err
 from gdn2core import (
     BackendUnsupportedError,
     DecodeSpec,
@@ -22,8 +23,7 @@ from gdn2core import (
     gdn2_forward,
     which_decode_backend,
 )
-from gdn2core.decode_spec import expand_heads, sanitize_slots
-from gdn2core.testing import DecodeCase, make_decode_inputs, rel_err
+from gdn2core.ops.decode.spec import expand_heads, sanitize_slots
 
 CASE = DecodeCase(N=3, S=2, H=2, HV=4, dk=8, dv=12, P=5, seed=3)
 

@@ -38,8 +38,8 @@ def test_nan_input_gives_nonfinite_outputs_and_diag_reports_them(monkeypatch, ca
     """docs/operator.md, "NaN and Inf inputs": a NaN in channel 0 of v at one token of head 1
     makes that channel's output at that token and every later one non-finite, and h_final's
     column 0 of head 1; head 0 stays finite; GDN2_FWD_DIAG=1 logs the non-finite counts."""
+    from gdn2_conformance import Case, make_inputs
     from gdn2core import gdn2_forward
-    from gdn2core.testing import Case, make_inputs
 
     monkeypatch.setenv("GDN2_FWD_DIAG", "1")
     caplog.set_level(logging.INFO, logger="gdn2core.diag")

@@ -11,6 +11,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gdn2_conformance import (
+    FeatureCase,
+    GateHeads,
+    ReferenceBackend,
+    activate_numpy,
+    check_central_differences,
+    cotangent_loss,
+    make_feature_inputs,
+    outputs_and_grads,
+    rel_err,
+)
+from gdn2_conformance.checks import op_function
+from gdn2_conformance.feature_suite import ACTIVATION_CASES
 from gdn2core import (
     Activations,
     BackendUnsupportedError,
@@ -31,21 +44,8 @@ from gdn2core import (
 from gdn2core.features.activations import apply_activations
 from gdn2core.features.gva import group_call, resolve_spec, ungroup_outputs
 from gdn2core.features.segments import as_int32_ids, segment_starts, shard_boundary_starts
+from gdn2core.ops.forward.reference import token_serial
 from gdn2core.plugin import Backend
-from gdn2core.reference import token_serial
-from gdn2core.testing import (
-    FeatureCase,
-    GateHeads,
-    ReferenceBackend,
-    activate_numpy,
-    check_central_differences,
-    cotangent_loss,
-    make_feature_inputs,
-    outputs_and_grads,
-    rel_err,
-)
-from gdn2core.testing.checks import op_function
-from gdn2core.testing.feature_suite import ACTIVATION_CASES
 
 
 @pytest.mark.parametrize("gate_heads", list(GateHeads))

@@ -103,12 +103,12 @@ def test_docs_exist():
 def _public_callables():
     """Functions exported by the core, the plugin surface and the kit, and the methods of the
     classes they export: ``(name, object, is_method)``."""
+    import gdn2_conformance
     import gdn2core
     import gdn2core.plugin
-    import gdn2core.testing
 
     seen = {}
-    for module in (gdn2core, gdn2core.plugin, gdn2core.testing):
+    for module in (gdn2core, gdn2core.plugin, gdn2_conformance):
         for name in module.__all__:
             obj = getattr(module, name)
             if inspect.isfunction(obj):
@@ -149,3 +149,116 @@ def test_every_distribution_ships_readme_license_and_types():
         assert (folder / "README.md").stat().st_size > 100, folder
         (package,) = meta["tool"]["setuptools"]["package-data"]
         assert (folder / "src" / package / "py.typed").exists(), folder
+
+
+#: The core's layers, bottom up (docs/layout.md). A module may import modules of its own layer or
+#: of a lower one, never of a higher one; package ``__init__`` modules other than the top one hold
+#: only their docstring.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    # 0. validation of shapes and options, the config, the platform
+    ("options", "checks", "config", "platform", "install", "diagnostics"),
+    # 1. the model features' validation and XLA paths
+    ("features.segments", "features.activations"),
+    # 2. the ops' specs
+    ("ops.forward.spec", "ops.decode.spec"),
+    # 3. grouped value heads and the references
+    ("features.gva", "ops.forward.reference", "ops.decode.reference"),
+    # 4. the registry: what a backend is, discovery, verdicts, choice
+    ("hooks", "backend", "verdict", "registry", "selection"),
+    # 5. running a call: multi-device execution and the dispatcher
+    ("sharding.plan", "sharding.run", "sharding", "ops.dispatch"),
+    # 6. the ops' public functions
+    ("ops.forward.api", "ops.decode.api", "memory"),
+    # 7. the surfaces: the package, the backend authors' module, the layer, the command
+    ("plugin", "layers.gdn2_layer", "layers", "commands", "cli", ""),
+)
+DOCSTRING_ONLY = ("features", "ops", "ops.forward", "ops.decode")
+
+
+def _core_modules() -> dict[str, Path]:
+    mods = {}
+    for path in CORE.rglob("*.py"):
+        parts = path.relative_to(CORE).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = path
+    return mods
+
+
+def _core_imports(path: Path) -> set[str]:
+    """The gdn2core modules a file imports (anywhere in it, functions and TYPE_CHECKING too)."""
+    mods = _core_modules()
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "gdn2core" or node.module.startswith("gdn2core."):
+                base = node.module.removeprefix("gdn2core").lstrip(".")
+                submodules = {f"{base}.{a.name}".lstrip(".") for a in node.names} & set(mods)
+                found |= submodules
+                if len(submodules) < len(node.names):  # names of the module itself
+                    found.add(base)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("gdn2core"):
+                    found.add(a.name.removeprefix("gdn2core").lstrip("."))
+    return found & set(mods)
+
+
+def test_the_core_is_layered_bottom_up_without_cycles():
+    mods = _core_modules()
+    layer_of = {m: i for i, names in enumerate(LAYERS) for m in names}
+    assert set(mods) == set(layer_of) | set(DOCSTRING_ONLY), (
+        "every core module has a layer in LAYERS (and docs/layout.md):",
+        sorted(set(mods) ^ (set(layer_of) | set(DOCSTRING_ONLY))),
+    )
+    upward = []
+    graph = {}
+    for name, path in mods.items():
+        deps = _core_imports(path) - {name}
+        if name in DOCSTRING_ONLY:
+            assert not deps, f"{name}/__init__.py imports {deps}: it holds only its docstring"
+            continue
+        graph[name] = deps - set(DOCSTRING_ONLY)
+        for dep in graph[name]:
+            if layer_of[dep] > layer_of[name]:
+                upward.append(
+                    f"{name} (layer {layer_of[name]}) imports {dep} (layer {layer_of[dep]})"
+                )
+    assert not upward, "\n".join(upward)
+    # Within a layer: no cycle (a depth-first search over the import graph).
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            assert state.get(dep) != 1, f"import cycle: {' -> '.join([*trail, node, dep])}"
+            if dep not in state:
+                visit(dep, [*trail, node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+
+
+def _lines(paths) -> int:
+    return sum(len(p.read_text().splitlines()) for p in paths)
+
+
+def test_registry_selection_and_verdict_fit_in_400_lines():
+    files = [CORE / f"{name}.py" for name in ("registry", "selection", "verdict")]
+    assert _lines(files) <= 400, {p.name: _lines([p]) for p in files}
+
+
+def test_the_operator_is_most_of_the_core():
+    """The operator (ops, spec, options, config, registry, references, features) is at least 60%
+    of the core's lines; the surfaces (layer, command, plugin module), multi-device execution and
+    the small helpers are the rest. The conformance kit is a distribution of its own."""
+    operator_modules = {m for names in LAYERS[:5] for m in names} | {"ops.dispatch"}
+    operator_modules |= {"ops.forward.api", "ops.decode.api"}
+    operator_modules -= {"platform", "install", "diagnostics"}
+    mods = _core_modules()
+    total = _lines(mods.values())
+    operator = _lines(p for m, p in mods.items() if m in operator_modules)
+    assert not (CORE / "testing").exists()
+    assert operator >= 0.6 * total, f"operator {operator} of {total} lines"

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from gdn2_conformance import Case, make_inputs
 from gdn2core import (
     BackendNotFoundError,
     BackendUnsupportedError,
@@ -19,10 +20,9 @@ from gdn2core import (
 )
 from gdn2core.commands import info_main
 from gdn2core.registry import Status
-from gdn2core.testing import Case, make_inputs
 from tests.support.plugins import fake_distribution, on_path
 
-HEADER = "from gdn2core.plugin import Capabilities, hookimpl\nfrom gdn2core.testing import ReferenceBackend\n"
+HEADER = "from gdn2core.plugin import Capabilities, hookimpl\nfrom gdn2_conformance import ReferenceBackend\n"
 
 
 def plugin_source(body: str, hook: str = "return Plugged()") -> str:

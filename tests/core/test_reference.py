@@ -5,8 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gdn2core import Activations, gdn2_token_serial_reference
-from gdn2core.testing import (
+from gdn2_conformance import (
     Case,
     FeatureCase,
     GateHeads,
@@ -18,8 +17,9 @@ from gdn2core.testing import (
     op_function,
     rel_err,
 )
-from gdn2core.testing.feature_suite import ACTIVATION_CASES
-from gdn2core.testing.numpy_ref import gdn2_numpy_loop
+from gdn2_conformance.feature_suite import ACTIVATION_CASES
+from gdn2_conformance.numpy_ref import gdn2_numpy_loop
+from gdn2core import Activations, gdn2_token_serial_reference
 
 CASES = [
     Case(B=1, T=9, H=2, dk=4, dv=6, h0=True),

@@ -3,6 +3,7 @@
 import pytest
 
 import gdn2core
+from gdn2_conformance import Case, ReferenceBackend, make_inputs, rel_err
 from gdn2core import (
     BackendNotFoundError,
     BackendUnsupportedError,
@@ -19,7 +20,6 @@ from gdn2core import (
     which_backend,
 )
 from gdn2core.config import DEFAULT_CONFIG
-from gdn2core.testing import Case, ReferenceBackend, make_inputs, rel_err
 from tests.support.plugins import installed_plugins
 
 FIRST_PARTY = {"jax_ref", "scan_baseline", "pallas_tpu"}

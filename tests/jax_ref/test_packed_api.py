@@ -2,7 +2,7 @@
 the core's token-serial reference with the same keywords; with grouped value heads and fused
 activations (both resolved by the core) on top.
 
-Errors are ``rel = max|actual - expected| / max|expected|`` (gdn2core.testing.rel_err).
+Errors are ``rel = max|actual - expected| / max|expected|`` (gdn2_conformance.rel_err).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gdn2_conformance import rel_err
 from gdn2_jax_ref.backend import JaxRefBackend
 from gdn2core import KernelConfig, gdn2_forward, gdn2_forward_trainable, gdn2_token_serial_reference
-from gdn2core.testing import rel_err
 
 CONFIG = KernelConfig(bt=8, bc=4, mb=2)
 # float64 against float64: rounding only (docs/algorithm.md 8 measures <= 2.5e-14).

@@ -2,7 +2,7 @@
 each sequence run on its own by the token-serial recurrence, finite differences, and bit-for-bit
 independence of the sequences.
 
-Errors are ``rel = max|actual - expected| / max|expected|`` (gdn2core.testing.rel_err).
+Errors are ``rel = max|actual - expected| / max|expected|`` (gdn2_conformance.rel_err).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gdn2_conformance import Case, check_central_differences, make_inputs, rel_err
 from gdn2_jax_ref import chunk
 from gdn2_jax_ref.params import ChunkParams
 from gdn2_jax_ref.varlen import VarlenLayout, VarlenRows, varlen_length
 from gdn2_jax_ref.vjp import gdn2_chunk_trainable
 from gdn2core import KernelConfig
-from gdn2core.testing import Case, check_central_differences, make_inputs, rel_err
 from tests.jax_ref.reset_reference import serial_varlen
 
 NAMES = ("q", "k", "v", "w", "b", "g", "h0")

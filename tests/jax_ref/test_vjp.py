@@ -1,6 +1,6 @@
 """The jax_ref custom VJP against jax.grad of the token-serial reference, and its transformations.
 
-Errors are ``rel = max|actual - expected| / max|expected|`` (gdn2core.testing.rel_err).
+Errors are ``rel = max|actual - expected| / max|expected|`` (gdn2_conformance.rel_err).
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gdn2_conformance import Case, make_inputs, rel_err
 from gdn2_jax_ref import chunk
 from gdn2_jax_ref.backend import JaxRefBackend
 from gdn2_jax_ref.forward import gdn2_chunk_forward
 from gdn2_jax_ref.params import ChunkParams
 from gdn2_jax_ref.vjp import Residuals, _fwd, gdn2_chunk_trainable
 from gdn2core import KernelConfig, OpSpec, gdn2_token_serial_reference
-from gdn2core.testing import Case, make_inputs, rel_err
 
 NAMES = ("q", "k", "v", "w", "b", "g", "h0")
 

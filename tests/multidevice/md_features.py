@@ -18,13 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from gdn2core import (
-    gdn2_forward,
-    gdn2_forward_trainable,
-    gdn2_token_serial_reference,
-    register_backend,
-)
-from gdn2core.testing import (
+from gdn2_conformance import (
     FeatureCase,
     GateHeads,
     ReferenceBackend,
@@ -34,7 +28,13 @@ from gdn2core.testing import (
     rel_err,
     tolerance,
 )
-from gdn2core.testing.feature_suite import ACTIVATION_CASES
+from gdn2_conformance.feature_suite import ACTIVATION_CASES
+from gdn2core import (
+    gdn2_forward,
+    gdn2_forward_trainable,
+    gdn2_token_serial_reference,
+    register_backend,
+)
 
 if jax.device_count() < 8:
     pytest.skip("needs 8 devices (run through test_multidevice.py)", allow_module_level=True)

@@ -1,18 +1,18 @@
 """The pallas_tpu tests' view of the conformance kit: its one input generator, metric and
-tolerance table (gdn2core.testing), in the positional form these tests use."""
+tolerance table (gdn2_conformance), in the positional form these tests use."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from gdn2core.testing import Case, Decay, reference_outputs_and_grads, rel_err, tolerance  # noqa: F401  (re-exported)
-from gdn2core.testing import make_inputs as kit_inputs
-from gdn2core.testing import outputs_and_grads as kit_outputs_and_grads
-from gdn2core.testing.inputs import ARG_NAMES as GRAD_NAMES  # noqa: F401  (re-exported)
-from gdn2core.testing.inputs import Inputs
+from gdn2_conformance import Case, Decay, reference_outputs_and_grads, rel_err, tolerance  # noqa: F401  (re-exported)
+from gdn2_conformance import make_inputs as kit_inputs
+from gdn2_conformance import outputs_and_grads as kit_outputs_and_grads
+from gdn2_conformance.inputs import ARG_NAMES as GRAD_NAMES  # noqa: F401  (re-exported)
+from gdn2_conformance.inputs import Inputs
 
 #: Tolerances on rel_err against the token-serial float32 reference of the same inputs: the kit's
-#: table (gdn2core.testing.metrics states the reasons), by what the tests compare.
+#: table (gdn2_conformance.metrics states the reasons), by what the tests compare.
 TOL = {
     dtype: {
         "o": tolerance(dtype, "o"),

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from gdn2core import KernelConfig, get_backend, list_backends
-from gdn2core.spec import OpSpec
+from gdn2core.ops.forward.spec import OpSpec
 from gdn2core.verdict import verdict
 
 from .helpers import make_inputs

@@ -36,7 +36,7 @@ def test_eight_heads_token_major_compile_in_place(dtype):
     no scratch HBM, the train step only its residuals and o (the 256 MiB budget is for H = 6)."""
     from gdn2_pallas_tpu.plan import Layout, make_plan
     from gdn2core import KAGGLE_SMALL
-    from gdn2core.spec import OpSpec
+    from gdn2core.ops.forward.spec import OpSpec
 
     plan = make_plan(OpSpec(B, T, 8, 128, 128, dtype, 1.0), KAGGLE_SMALL)
     assert (plan.layout, plan.hb, plan.nc, plan.lane_pack) == (Layout.TOKEN_MAJOR, 8, 4, 4)

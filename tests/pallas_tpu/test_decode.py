@@ -11,6 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gdn2_conformance import (
+    DecodeCase,
+    assert_close,
+    decode_reference_outputs,
+    make_decode_inputs,
+)
 from gdn2_pallas_tpu.decode_op import step_blocks
 from gdn2_pallas_tpu.decode_plan import (
     MAX_TOKENS,
@@ -21,12 +27,6 @@ from gdn2_pallas_tpu.decode_plan import (
 )
 from gdn2_tools.tpu import compile_decode
 from gdn2core import DecodeSpec, KernelConfig, gdn2_decode, get_backend
-from gdn2core.testing import (
-    DecodeCase,
-    assert_close,
-    decode_reference_outputs,
-    make_decode_inputs,
-)
 
 INTERPRET = KernelConfig(bt=16, bc=8, mb=8, interpret=True)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gdn2core import DEFAULT_CONFIG, KAGGLE_SMALL, KernelConfig, gdn2_forward, get_backend
-from gdn2core.spec import OpSpec
+from gdn2core.ops.forward.spec import OpSpec
 
 from .helpers import (
     GRAD_NAMES,

@@ -15,7 +15,7 @@ from gdn2_pallas_tpu.kernels_bwd import backward_call
 from gdn2_pallas_tpu.kernels_fwd import forward_call
 from gdn2_pallas_tpu.plan import MAX_STEP_ROWS, make_plan, vmem_bytes
 from gdn2core import DEFAULT_CONFIG, KAGGLE_LARGE, KernelConfig
-from gdn2core.spec import OpSpec
+from gdn2core.ops.forward.spec import OpSpec
 
 V5E = 128 * 2**20  # per-core VMEM of v5e and v6e
 

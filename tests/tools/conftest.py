@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import gdn2core
-from gdn2core.testing import ReferenceBackend
+from gdn2_conformance import ReferenceBackend
 
 
 class PerturbedBackend(ReferenceBackend):

@@ -8,13 +8,13 @@ import json
 import numpy as np
 import pytest
 
+from gdn2_conformance import tolerance
 from gdn2_tools.bench import gate
 from gdn2_tools.bench.checks import speed_checks
 from gdn2_tools.bench.cli import bench_main
 from gdn2_tools.bench.runner import RowResult
 from gdn2_tools.bench.shapes import ACCEPT_REF, ACCEPT_SCAN, CPU_SHAPES, BenchShape, parse_shape
 from gdn2_tools.bench.timing import Timing
-from gdn2core.testing import tolerance
 
 TINY = "1,16,1,8,8"
 

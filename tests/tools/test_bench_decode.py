@@ -8,9 +8,9 @@ import json
 import pytest
 
 import gdn2core
+from gdn2_conformance import ReferenceBackend
 from gdn2_tools.bench.cli import bench_main
 from gdn2_tools.bench.decode import decode_rows
-from gdn2core.testing import ReferenceBackend
 
 SMALL = ["--sizes", "1,3", "--heads", "1", "--value-heads", "2", "--dk", "8", "--dv", "8"]
 

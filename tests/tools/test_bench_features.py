@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 import gdn2core
+from gdn2_conformance import ReferenceBackend
 from gdn2_tools.bench.checks import feature_checks
 from gdn2_tools.bench.cli import bench_main
 from gdn2_tools.bench.inputs import make_inputs, make_options
 from gdn2_tools.bench.runner import RowResult
 from gdn2_tools.bench.shapes import GVA_SHAPES, PACKED_SHAPES, BenchShape, parse_shape
 from gdn2_tools.bench.timing import Timing
-from gdn2core.testing import ReferenceBackend
 
 
 class LeakyBackend(ReferenceBackend):
@@ -27,7 +27,7 @@ class LeakyBackend(ReferenceBackend):
     def forward(self, q, k, v, w, b, g, h0, *, spec, config, extras=None):
         import dataclasses
 
-        from gdn2core.spec import SegmentMode
+        from gdn2core.options import SegmentMode
 
         if extras is not None and extras.segment_ids is not None:
             spec = dataclasses.replace(spec, segments=SegmentMode.NONE)

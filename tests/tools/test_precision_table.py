@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from gdn2_conformance import tolerance
 from gdn2_tools.precision_table import worst_errors
-from gdn2core.testing import tolerance
 
 
 @pytest.mark.slow

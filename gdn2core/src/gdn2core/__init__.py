@@ -3,10 +3,9 @@ backend registry and multi-device execution.
 
 Importing this package imports no backend and no tool; backends are discovered through the
 entry-point group ``gdn2.backends`` on first use. Backend authors import :mod:`gdn2core.plugin`;
-the conformance kit is :mod:`gdn2core.testing`.
+the conformance kit is :mod:`gdn2_conformance`.
 """
 
-from gdn2core.api import gdn2_forward, gdn2_forward_trainable, which_backend
 from gdn2core.backend import Backend, Capabilities, Verdict
 from gdn2core.config import (
     DEFAULT_CONFIG,
@@ -16,13 +15,16 @@ from gdn2core.config import (
     PRESETS,
     KernelConfig,
 )
-from gdn2core.decode import gdn2_decode, init_state_pool, which_decode_backend
-from gdn2core.decode_reference import gdn2_decode_reference
-from gdn2core.decode_spec import DecodeSpec
 from gdn2core.hooks import hookimpl
 from gdn2core.memory import estimate_memory, get_recommended_config
+from gdn2core.ops.decode.api import gdn2_decode, init_state_pool, which_decode_backend
+from gdn2core.ops.decode.reference import gdn2_decode_reference
+from gdn2core.ops.decode.spec import DecodeSpec
+from gdn2core.ops.forward.api import gdn2_forward, gdn2_forward_trainable, which_backend
+from gdn2core.ops.forward.reference import gdn2_token_serial_reference
+from gdn2core.ops.forward.spec import OpSpec
+from gdn2core.options import Activations, GateMode, OpExtras, SegmentMode
 from gdn2core.platform import is_tpu_available
-from gdn2core.reference import gdn2_token_serial_reference
 from gdn2core.registry import (
     BackendInfo,
     BackendNotFoundError,
@@ -33,7 +35,6 @@ from gdn2core.registry import (
     unregister_backend,
 )
 from gdn2core.selection import resolve_backend
-from gdn2core.spec import Activations, GateMode, OpExtras, OpSpec, SegmentMode
 
 __version__ = "0.1.0"
 

@@ -15,9 +15,12 @@ from typing import ClassVar, Final, Literal
 import jax
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
+from gdn2core.checks import SUPPORTED_DTYPES
 from gdn2core.config import KernelConfig
-from gdn2core.decode_spec import DecodeSpec
-from gdn2core.spec import SUPPORTED_DTYPES, OpExtras, OpSpec, SegmentMode
+from gdn2core.features.gva import resolve_spec
+from gdn2core.ops.decode.spec import DecodeSpec
+from gdn2core.ops.forward.spec import OpSpec
+from gdn2core.options import NO_ACTIVATIONS, OpExtras, SegmentMode
 
 Platform = Literal["cpu", "gpu", "tpu"]
 DType = Literal["float32", "bfloat16", "float64"]
@@ -64,6 +67,22 @@ class Capabilities(BaseModel):
     fused_activations: bool = False
     decode: bool = False
     chunk_states: bool = False
+
+    def view(self, spec: OpSpec) -> OpSpec:
+        """The spec this backend sees for a call of ``spec``: grouped value heads resolved
+        (:func:`gdn2core.features.gva.resolve_spec`), and no activations unless it fuses them
+        (the core then applies them in XLA before the call).
+
+        Args:
+            spec: the call's spec.
+
+        Returns:
+            The backend's spec (``spec`` itself when nothing changes).
+        """
+        view = resolve_spec(spec)
+        if view.activations.any and not self.fused_activations:
+            view = dataclasses.replace(view, activations=NO_ACTIVATIONS)
+        return view
 
     def admits(self, spec: OpSpec | DecodeSpec) -> Verdict:
         """Whether ``spec``'s dtype and head sizes are within these capabilities.
@@ -154,7 +173,7 @@ class Backend(abc.ABC):
     Model features (``docs/backends.md``): grouped value heads are resolved by the core (a backend
     sees ``spec.value_heads == spec.gate_heads == spec.heads``). With packed sequences
     (``Capabilities.segments`` / ``varlen``) or fused activations (``fused_activations``) the core
-    passes ``extras=`` (an :class:`~gdn2core.spec.OpExtras`); with ``cu_seqlens``, B = 1 and h0,
+    passes ``extras=`` (an :class:`~gdn2core.options.OpExtras`); with ``cu_seqlens``, B = 1 and h0,
     h_final are ``(N, H, dk, dv)``. A plain call never passes ``extras``, so a backend written
     without it keeps working for plain calls.
     """

@@ -1,6 +1,6 @@
 """The ``gdn2`` command. Its subcommands come from the ``gdn2_commands`` hook: gdn2core's own
-(``info``, ``conformance``, :mod:`gdn2core.commands`), and those of installed tool and backend
-plugins. A subcommand's module is imported only when it runs, so a broken or heavy plugin costs
+(``info``, :mod:`gdn2core.commands`), and those of installed plugins: the kit's ``conformance``,
+the tools', a backend's own. A subcommand's module is imported only when it runs, so a broken or heavy plugin costs
 the others nothing."""
 
 from __future__ import annotations
@@ -15,6 +15,14 @@ import pluggy
 from gdn2core import commands as builtin
 from gdn2core.backend import short_error
 from gdn2core.hooks import BACKENDS_GROUP, PROJECT, TOOLS_GROUP, Command, HookSpecs
+from gdn2core.install import pip_command
+
+#: Subcommands of gdn2's own distributions, for the hint when one is not installed:
+#: ``{command: (distribution, folder in the repository)}``.
+KNOWN_ELSEWHERE = {
+    "conformance": ("gdn2-conformance", "conformance"),
+    **{c: ("gdn2-tools", "tools") for c in ("bench", "memory", "mesh-report", "tpu-report")},
+}
 
 
 def discover_commands() -> tuple[dict[str, Command], list[str]]:
@@ -85,6 +93,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     name, rest = argv[0], argv[1:]
     cmd = commands.get(name)
     if cmd is None:
+        if name in KNOWN_ELSEWHERE:
+            dist, folder = KNOWN_ELSEWHERE[name]
+            print(
+                f"gdn2: command {name!r} comes with {dist}, which is not installed: "
+                f"{pip_command(dist, folder)}",
+                file=sys.stderr,
+            )
+            return 2
         print(
             f"gdn2: unknown command {name!r}; choose from {', '.join(commands)} (installed tool "
             "and backend plugins add more; README, section Install)",

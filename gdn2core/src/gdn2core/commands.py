@@ -1,18 +1,13 @@
-"""gdn2core's own ``gdn2`` subcommands: ``info`` and ``conformance`` (registered through the same
-``gdn2_commands`` hook as every plugin's)."""
+"""gdn2core's own ``gdn2`` subcommand ``info`` (registered through the same ``gdn2_commands`` hook
+as every plugin's; ``gdn2 conformance`` comes with the kit, ``gdn2-conformance``)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import subprocess
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from gdn2core.hooks import Command, hookimpl
-from gdn2core.install import pip_command
 
 
 @hookimpl
@@ -20,16 +15,11 @@ def gdn2_commands() -> list[Command]:
     """gdn2core's subcommands.
 
     Returns:
-        ``info`` and ``conformance``.
+        ``info``.
     """
     return [
         Command(
             "info", "the backends here and what a call to each would do", f"{__name__}:info_main"
-        ),
-        Command(
-            "conformance",
-            "run the conformance suite against installed backends (pass/fail per capability)",
-            f"{__name__}:conformance_main",
         ),
     ]
 
@@ -91,40 +81,3 @@ def info_main(argv: Sequence[str]) -> int:
             f"{ENV_VAR} is not set: backend='auto' picks the highest-priority backend that would run the call."
         )
     return 0
-
-
-def conformance_main(argv: Sequence[str]) -> int:
-    """``gdn2 conformance NAME [NAME...] [-- PYTEST ARGS]``: the suite against installed backends.
-
-    Args:
-        argv: backend names, optionally followed by ``--`` and extra pytest arguments.
-
-    Returns:
-        pytest's exit code (0: every claimed capability passed), or 2 when pytest is missing.
-        pytest runs in a child process (so that it can rewrite the suite's asserts).
-    """
-    argv = list(argv)
-    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    names = argv[: argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(
-        prog="gdn2 conformance",
-        description="Run gdn2's conformance suite against installed backends; the report ends "
-        "with pass/fail per capability. Extra pytest arguments follow `--`.",
-    )
-    parser.add_argument("backends", nargs="+", metavar="NAME", help="installed backend names")
-    args = parser.parse_args(names)
-    if importlib.util.find_spec("pytest") is None:
-        print(
-            "gdn2 conformance needs pytest, which is not installed: pip install pytest (or "
-            f"{pip_command('gdn2core', 'gdn2core', 'testing')})",
-            file=sys.stderr,
-        )
-        return 2
-    # A fresh interpreter: pytest rewrites the asserts of plugin packages it imports itself. Only
-    # the suite is collected (never the current directory), with no project's configuration.
-    suite = Path(__file__).resolve().parent / "testing" / "suite.py"
-    options = [str(suite), "-p", "gdn2", "-p", "no:cacheprovider", "-c", os.devnull, "-q"]
-    for name in args.backends:
-        options += ["--gdn2-backend", name]
-    cmd = [sys.executable, "-m", "pytest", *options, *extra]
-    return subprocess.run(cmd, check=False).returncode

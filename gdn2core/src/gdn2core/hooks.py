@@ -20,7 +20,7 @@ import pluggy
 if TYPE_CHECKING:
     from gdn2core.backend import Backend
     from gdn2core.config import KernelConfig
-    from gdn2core.spec import OpSpec
+    from gdn2core.ops.forward.spec import OpSpec
 
 PROJECT: Final = "gdn2"
 BACKENDS_GROUP: Final = "gdn2.backends"

@@ -30,7 +30,7 @@ import math
 
 from gdn2core.config import KAGGLE_LARGE, KAGGLE_MEDIUM, KAGGLE_SMALL, KernelConfig
 from gdn2core.features.gva import resolve_spec
-from gdn2core.spec import OpSpec
+from gdn2core.ops.forward.spec import OpSpec
 
 F32 = 4
 

@@ -26,15 +26,17 @@ decode op receives a :class:`DecodeSpec`.
 """
 
 from gdn2core.backend import YES, Backend, Capabilities, Verdict
+from gdn2core.checks import state_dtype
 from gdn2core.config import KernelConfig
-from gdn2core.decode_reference import gdn2_decode_reference
-from gdn2core.decode_spec import DecodeSpec
 from gdn2core.diagnostics import probe
 from gdn2core.features.segments import segment_starts, varlen_layout
 from gdn2core.hooks import BACKENDS_GROUP, TOOLS_GROUP, Command, KernelCost, hookimpl
+from gdn2core.ops.decode.reference import gdn2_decode_reference
+from gdn2core.ops.decode.spec import DecodeSpec
+from gdn2core.ops.forward.reference import gdn2_token_serial_reference
+from gdn2core.ops.forward.spec import OpSpec
+from gdn2core.options import L2NORM_EPS, Activations, GateMode, OpExtras, SegmentMode
 from gdn2core.platform import default_platform, device_memory_bytes, is_tpu_available
-from gdn2core.reference import gdn2_token_serial_reference, state_dtype
-from gdn2core.spec import L2NORM_EPS, Activations, GateMode, OpExtras, OpSpec, SegmentMode
 
 __all__ = [
     "BACKENDS_GROUP",

@@ -10,9 +10,9 @@ from typing import Final
 from gdn2core import registry
 from gdn2core.backend import Backend, Verdict
 from gdn2core.config import KernelConfig
-from gdn2core.decode_spec import DecodeSpec
 from gdn2core.install import any_backend_hint
-from gdn2core.spec import OpSpec
+from gdn2core.ops.decode.spec import DecodeSpec
+from gdn2core.ops.forward.spec import OpSpec
 from gdn2core.verdict import decode_verdict, verdict
 
 log = logging.getLogger("gdn2core")

@@ -9,7 +9,7 @@ trainability (for a decode call, :attr:`Capabilities.decode`; for chunk states,
 capabilities; and the backend's own :meth:`~Backend.supports`. A backend method that raises refuses
 only that call, and the exception is logged.
 
-The spec judged is the one the backend would see (:func:`gdn2core.features.route.backend_spec`:
+The spec judged is the one the backend would see (:meth:`Capabilities.view <gdn2core.backend.Capabilities.view>`:
 grouped value heads resolved, activations off unless it fuses them), so a refusal names the
 argument the backend lacks (``segment_ids``, ``cu_seqlens``) or the size it would get.
 """
@@ -20,10 +20,9 @@ import logging
 
 from gdn2core.backend import YES, Backend, Verdict, short_error
 from gdn2core.config import DEFAULT_CONFIG, KernelConfig
-from gdn2core.decode_spec import DecodeSpec
-from gdn2core.features.route import backend_spec
+from gdn2core.ops.decode.spec import DecodeSpec
+from gdn2core.ops.forward.spec import OpSpec
 from gdn2core.platform import default_platform
-from gdn2core.spec import OpSpec
 
 log = logging.getLogger("gdn2core")
 
@@ -67,7 +66,7 @@ def verdict(
     if chunk_states and not caps.chunk_states:
         return Verdict(False, "no chunk states (return_chunk_states=True)")
     if spec is not None:
-        view = backend_spec(spec, caps)
+        view = caps.view(spec)
         admitted = caps.admits(view)
         if not admitted:
             if view.dv != spec.dv:

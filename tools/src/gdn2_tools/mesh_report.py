@@ -17,10 +17,10 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 
+from gdn2_conformance.backends import ReferenceBackend
 from gdn2_tools.hlo import Collective, collective_summary
 from gdn2_tools.preflight import missing
 from gdn2_tools.tpu import compile_for_tpu, topology_mesh
-from gdn2core.testing.backends import ReferenceBackend
 
 MESH_AXIS = "chips"
 
@@ -93,8 +93,8 @@ def default_backend(args_shape: Shape, dtype: str, config: str | None) -> str:
         BackendNotFoundError: no installed backend would run it on a TPU.
     """
     from gdn2core.config import DEFAULT_CONFIG, PRESETS
+    from gdn2core.ops.forward.spec import OpSpec
     from gdn2core.selection import resolve_backend
-    from gdn2core.spec import OpSpec
 
     sh = args_shape
     spec = OpSpec(sh.B, sh.T, sh.H, sh.d, sh.d, dtype, sh.d**-0.5)

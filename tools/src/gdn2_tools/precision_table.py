@@ -28,7 +28,7 @@ VARIANTS: Final = (
 
 
 def _cases(T: int, H: int, d: int):
-    from gdn2core.testing import Case, Decay
+    from gdn2_conformance import Case, Decay
 
     return (
         Case(B=1, T=T, H=H, dk=d, dv=d, b_max=2.0, decay=Decay.MIXED, seed=1),
@@ -51,12 +51,12 @@ def worst_errors(dtype: str, bf16_stages: Sequence[str], T: int, H: int, d: int)
     import jax
     import jax.numpy as jnp
 
+    from gdn2_conformance import make_inputs, rel_err
     from gdn2_pallas_tpu.matmul import MatmulPrecision
     from gdn2_pallas_tpu.plan import make_plan, precisions_for
     from gdn2_pallas_tpu.vjp import NO_EXTRAS, gdn2_pallas_trainable
     from gdn2core import KernelConfig, gdn2_token_serial_reference
-    from gdn2core.spec import OpSpec
-    from gdn2core.testing import make_inputs, rel_err
+    from gdn2core.ops.forward.spec import OpSpec
 
     precisions = dataclasses.replace(
         precisions_for(dtype), **{s: MatmulPrecision.BF16 for s in bf16_stages}

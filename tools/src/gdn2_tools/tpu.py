@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gdn2core.api import gdn2_forward
 from gdn2core.config import KernelConfig
+from gdn2core.ops.forward.api import gdn2_forward
 
 #: One chip of each TPU generation the tools compile for.
 TOPOLOGIES: Final = {"v5e": "v5e:1x1", "v6e": "v6e:1x1"}
@@ -154,7 +154,7 @@ def compile_decode(
     Returns:
         The compiled executable.
     """
-    from gdn2core.decode import gdn2_decode
+    from gdn2core.ops.decode.api import gdn2_decode
 
     mesh = topology_mesh(topology)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

@@ -104,9 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     from gdn2_tools.tpu import compile_op
     from gdn2core import DEFAULT_CONFIG, PRESETS
+    from gdn2core.ops.forward.spec import OpSpec
     from gdn2core.registry import BackendNotFoundError, get_backend, plugin_hook
     from gdn2core.selection import resolve_backend
-    from gdn2core.spec import OpSpec
     from gdn2core.verdict import verdict
 
     config = DEFAULT_CONFIG if args.config == "default" else PRESETS[args.config]

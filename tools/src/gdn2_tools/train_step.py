@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gdn2core.api import gdn2_forward_trainable
-from gdn2core.testing.checks import cotangent_loss
+from gdn2_conformance.checks import cotangent_loss
+from gdn2core.ops.forward.api import gdn2_forward_trainable
 
 
 def train_step(**op_kwargs: Any):

@@ -6,5 +6,5 @@ backend:
 - :mod:`~gdn2core.features.activations`: the fused activations (gates, L2 norm): validation of
   the gate parameters and the XLA path for backends that do not fuse them;
 - :mod:`~gdn2core.features.gva`: grouped value heads, resolved before any backend runs;
-- :mod:`~gdn2core.features.route`: one call from validated inputs to a backend's result.
+- :mod:`~gdn2core.ops.dispatch`: one call from validated inputs to a backend's result.
 """

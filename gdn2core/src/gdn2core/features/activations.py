@@ -1,7 +1,7 @@
 """The fused activations (fla's names): validating the gate parameters, and the XLA path that
 applies the activations for backends that do not fuse them.
 
-With :class:`~gdn2core.spec.Activations` ``act`` (``docs/operator.md``, section Activations):
+With :class:`~gdn2core.options.Activations` ``act`` (``docs/operator.md``, section Activations):
 
 - ``act.qk_l2norm``: ``q = q / sqrt(sum(q^2 over dk) + L2NORM_EPS)``, the same for k;
 - ``act.gate`` SOFTPLUS: ``g = -exp(A_log[h]) * softplus(g + dt_bias[h])`` (per channel);
@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gdn2core.spec import L2NORM_EPS, Activations, GateMode
+from gdn2core.options import L2NORM_EPS, Activations, GateMode
 
 #: The keyword arguments of the fused activations (fla's names), in the public signatures' order.
 ACTIVATION_ARGS = (
@@ -36,7 +36,7 @@ ACTIVATION_ARGS = (
 
 
 def activations_of(features: dict[str, Any]) -> Activations:
-    """The :class:`~gdn2core.spec.Activations` of a public call's keywords.
+    """The :class:`~gdn2core.options.Activations` of a public call's keywords.
 
     Args:
         features: the keywords by name (at least :data:`ACTIVATION_ARGS`).

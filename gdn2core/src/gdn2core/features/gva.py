@@ -21,7 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from gdn2core.spec import OpSpec
+from gdn2core.ops.forward.spec import OpSpec
 
 
 def resolve_spec(spec: OpSpec) -> OpSpec:

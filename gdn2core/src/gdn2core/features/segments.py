@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdn2core.spec import SegmentMode
+from gdn2core.options import SegmentMode
 
 
 def _is_traced(x: Any) -> bool:

@@ -45,9 +45,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gdn2core.api import gdn2_forward, gdn2_forward_trainable
 from gdn2core.config import KernelConfig
-from gdn2core.decode import gdn2_decode
+from gdn2core.ops.decode.api import gdn2_decode
+from gdn2core.ops.forward.api import gdn2_forward, gdn2_forward_trainable
 from gdn2core.registry import get_backend
 from gdn2core.selection import AUTO
 

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from gdn2core.spec import OpSpec
+from gdn2core.ops.forward.spec import OpSpec
 
 log = logging.getLogger("gdn2core")
 

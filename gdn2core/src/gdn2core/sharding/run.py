@@ -51,8 +51,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from gdn2core.config import KernelConfig
 from gdn2core.features.segments import shard_boundary_starts
+from gdn2core.ops.forward.spec import OpSpec
+from gdn2core.options import OpExtras
 from gdn2core.sharding.plan import ShardPlan
-from gdn2core.spec import OpExtras, OpSpec
 
 BackendFn = Callable[..., tuple[jax.Array, jax.Array]]
 

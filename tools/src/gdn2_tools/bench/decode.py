@@ -7,7 +7,7 @@ sequences against a pool of ``N`` slots named by ``state_indices`` (a permutatio
 donated (``donate_argnums``) and the returned pool fed to the next step. Rows: ``reference`` (the
 token-serial decode reference under the same jit) and every backend whose decode verdict here is
 yes. Each row's first step is gated against the reference (the kit's decode tolerances:
-``gdn2core.testing.metrics``) before it is timed; median of the repeats, compile excluded.
+``gdn2_conformance.metrics``) before it is timed; median of the repeats, compile excluded.
 
 Drift (``--drift-steps K``): ``K`` consecutive steps of one token through a row with a bfloat16
 pool, against the reference with a float32 pool on the same tokens: the relative error of the last
@@ -93,7 +93,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 def _inputs(shape: DecodeShape, dtype: str, pool_dtype: str, seed: int):
     import jax.numpy as jnp
 
-    from gdn2core.testing import Decay, DecodeCase, make_decode_inputs
+    from gdn2_conformance import Decay, DecodeCase, make_decode_inputs
 
     case = DecodeCase(
         N=shape.N, S=shape.S, H=shape.H, HV=shape.HV, dk=shape.dk, dv=shape.dv, P=shape.N,
@@ -157,8 +157,8 @@ def decode_rows(names: Sequence[str] | None) -> tuple[list[str], dict[str, str]]
 def _gate(outputs, x, dtype: str) -> tuple[bool, dict[str, float], list[str]]:
     import jax.numpy as jnp
 
-    from gdn2core.testing import decode_reference_outputs
-    from gdn2core.testing.metrics import rel_err, tolerance
+    from gdn2_conformance import decode_reference_outputs
+    from gdn2_conformance.metrics import rel_err, tolerance
 
     o_ref, pool_ref, _ = decode_reference_outputs(x)
     state_dt = "bfloat16" if x.state.dtype == jnp.bfloat16 else dtype
@@ -232,8 +232,8 @@ def drift(row: str, shape: DecodeShape, dtype: str, steps: int, seed: int) -> di
     import jax
     import jax.numpy as jnp
 
-    from gdn2core.testing import Decay, DecodeCase, make_decode_inputs
-    from gdn2core.testing.metrics import rel_err
+    from gdn2_conformance import Decay, DecodeCase, make_decode_inputs
+    from gdn2_conformance.metrics import rel_err
 
     one = dataclasses.replace(shape, S=1)
     case = DecodeCase(

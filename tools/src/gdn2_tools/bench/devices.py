@@ -104,8 +104,8 @@ def plan_label(mesh, shape) -> str:
     """How the public ops split a call at ``shape`` on ``mesh`` (from the placed inputs)."""
     import jax.numpy as jnp
 
+    from gdn2core.ops.forward.spec import OpSpec
     from gdn2core.sharding import resolve_plan
-    from gdn2core.spec import OpSpec
 
     n = mesh.size
     if shape.B % n:

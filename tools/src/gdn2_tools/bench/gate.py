@@ -8,7 +8,7 @@ is judged against the float32 result of the same inputs). Where its autodiff wou
 ``backend="auto"`` picks here for a trainable float32 call, after it passed the gate against the
 reference at a smaller shape (``B=1``, ``T <= 1024``, same H, dk, dv).
 
-Metric and tolerances: those of the conformance kit (:mod:`gdn2core.testing.metrics`): relative
+Metric and tolerances: those of the conformance kit (:mod:`gdn2_conformance.metrics`): relative
 max error per output (o, h_final) and per gradient (dq, dk, dv, dw, db, dg, dh0), every value
 finite.
 """
@@ -20,8 +20,8 @@ from typing import Final
 
 import numpy as np
 
+from gdn2_conformance.metrics import rel_err, tolerance
 from gdn2_tools.bench.shapes import BenchShape
-from gdn2core.testing.metrics import rel_err, tolerance
 
 #: Bytes of the reference's autodiff per unit of ``4 * B*H*T*dk*dv`` (one float32 state per token):
 #: the states saved by ``lax.scan``'s linearisation and their cotangents. ``gdn2 memory`` measured

@@ -1,4 +1,4 @@
-"""Benchmark inputs: the kit's one generator (:mod:`gdn2core.testing.inputs`) at a bench shape,
+"""Benchmark inputs: the kit's one generator (:mod:`gdn2_conformance.inputs`) at a bench shape,
 with the decay a GDN-2 layer produces (``Decay.MODEL``).
 
 Grouped value heads (``shape.HV``): the kit's inputs at HV heads, of which q, k, b, g keep the
@@ -10,9 +10,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from gdn2_conformance import GRAD_NAMES, Case, Decay
+from gdn2_conformance import make_inputs as kit_inputs
 from gdn2_tools.bench.shapes import BenchShape
-from gdn2core.testing import GRAD_NAMES, Case, Decay
-from gdn2core.testing import make_inputs as kit_inputs
 
 __all__ = ["GRAD_NAMES", "bench_case", "make_inputs", "make_options"]
 
@@ -25,7 +25,7 @@ def bench_case(shape: BenchShape, seed: int = 0) -> Case:
         seed: the input seed.
 
     Returns:
-        A :class:`~gdn2core.testing.Case` with model-like decay and an initial state.
+        A :class:`~gdn2_conformance.Case` with model-like decay and an initial state.
     """
     H = shape.value_heads
     return Case(B=shape.B, T=shape.T, H=H, dk=shape.dk, dv=shape.dv, decay=Decay.MODEL, seed=seed)

@@ -21,9 +21,9 @@ from collections.abc import Callable
 
 import jax
 
-from gdn2core.api import gdn2_forward, gdn2_forward_trainable
 from gdn2core.config import KernelConfig
-from gdn2core.reference import gdn2_token_serial_reference
+from gdn2core.ops.forward.api import gdn2_forward, gdn2_forward_trainable
+from gdn2core.ops.forward.reference import gdn2_token_serial_reference
 
 REFERENCE_ROW = "reference_grad"
 MODES = ("fwd", "bwd", "fwdbwd")

@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gdn2_conformance.metrics import TOLERANCES
 from gdn2_tools.bench.checks import Check
 from gdn2_tools.bench.programs import MODE_LABELS, MODES
 from gdn2_tools.bench.runner import RowResult, baselines
 from gdn2_tools.bench.shapes import BenchShape
 from gdn2_tools.bench.timing import Timing
-from gdn2core.testing.metrics import TOLERANCES
 
 SCHEMA = "gdn2-bench/1"
 
@@ -132,7 +132,7 @@ def to_markdown(results: Sequence[RowResult], checks: Sequence[Check], meta: dic
     if checks:
         lines += ["", "## Acceptance targets", ""]
         lines += [f"- {c.line()}" for c in checks]
-    lines += ["", "Gate tolerances (max|x - ref| / max|ref|; gdn2core.testing.metrics):", ""]
+    lines += ["", "Gate tolerances (max|x - ref| / max|ref|; gdn2_conformance.metrics):", ""]
     for dtype, tol in TOLERANCES.items():
         lines.append(f"- {dtype}: " + ", ".join(f"{k} {v:.0e}" for k, v in tol.items()))
     return "\n".join(lines) + "\n"

@@ -35,9 +35,9 @@ from gdn2_tools.bench.shapes import BenchShape
 from gdn2_tools.bench.timing import Timing, compile_program, run_once, time_repeats
 from gdn2core import registry
 from gdn2core.config import DEFAULT_CONFIG, KernelConfig
+from gdn2core.ops.forward.spec import OpSpec
 from gdn2core.platform import default_platform, device_memory_bytes
 from gdn2core.selection import resolve_backend
-from gdn2core.spec import OpSpec
 from gdn2core.verdict import verdict
 
 

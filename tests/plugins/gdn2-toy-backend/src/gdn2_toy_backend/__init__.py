@@ -5,8 +5,8 @@ Its high priority and narrow capabilities let the tests see ``backend="auto"`` p
 fits and pass over it (to the next backend) when it does not.
 """
 
+from gdn2_conformance import ReferenceBackend
 from gdn2core.plugin import Capabilities, Command, hookimpl
-from gdn2core.testing import ReferenceBackend
 
 
 class ToySerialBackend(ReferenceBackend):

@@ -4,8 +4,8 @@ gradients."""
 
 import jax
 
+from gdn2_conformance import ReferenceBackend
 from gdn2core.plugin import Capabilities, hookimpl
-from gdn2core.testing import ReferenceBackend
 
 
 class HalfDecayGradient(ReferenceBackend):

@@ -76,7 +76,7 @@ PARAM_NAMES = ("A_log", "dt_bias")
 class Inputs:
     """The operator's inputs and the cotangents of its two outputs for one case.
 
-    With model features (:mod:`gdn2core.testing.feature_inputs`) also the gate parameters and
+    With model features (:mod:`gdn2_conformance.feature_inputs`) also the gate parameters and
     ``options``: the other keywords of the call (segment_ids, cu_seqlens, the activation flags).
     """
 

@@ -1,7 +1,7 @@
 """The token-serial reference of the decode op: the ground truth of every decode backend.
 
 The same recurrence as :func:`gdn2core.gdn2_token_serial_reference` (one ``lax.scan`` step per
-token, :func:`gdn2core.reference.token_step`), started from the pool slots the sequences name and
+token, :func:`gdn2core.ops.forward.reference.token_step`), started from the pool slots the sequences name and
 written back to them, with the pool semantics of ``docs/operator.md``: the state is float32 (float64
 for float64 inputs) from the slot's value to the last token and rounded to the pool's dtype once,
 when it is written back; a skipped sequence (an index out of range, or a slot named twice, under
@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from gdn2core.decode_spec import DecodeSpec, expand_heads, sanitize_slots
-from gdn2core.reference import state_dtype, token_step
+from gdn2core.checks import state_dtype
+from gdn2core.ops.decode.spec import DecodeSpec, expand_heads, sanitize_slots
+from gdn2core.ops.forward.reference import token_step
 
 
 def gdn2_decode_reference(

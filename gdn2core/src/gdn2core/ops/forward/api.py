@@ -5,14 +5,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from gdn2core.checks import state_dtype
 from gdn2core.config import DEFAULT_CONFIG, KernelConfig
 from gdn2core.features.activations import ACTIVATION_ARGS, activations_of
-from gdn2core.features.route import backend_spec, run_backend, run_chunk_states
+from gdn2core.ops.dispatch import run_backend, run_chunk_states
+from gdn2core.ops.forward.spec import OpSpec
+from gdn2core.options import OpExtras, SegmentMode
 from gdn2core.platform import call_platform
-from gdn2core.reference import state_dtype
 from gdn2core.selection import AUTO, resolve_backend
 from gdn2core.sharding.plan import AxesArg, resolve_plan
-from gdn2core.spec import OpExtras, OpSpec, SegmentMode
 from gdn2core.verdict import verdict
 
 Out = tuple[Float[Array, "B T HV dv"], Float[Array, "L HV dk dv"]]
@@ -178,7 +179,7 @@ def gdn2_forward(
     spec, config, chosen, h0, extras = _prepare(
         args, scale, h0, config, backend, False, features, chunk_states=return_chunk_states
     )
-    if resolve_plan(backend_spec(spec, chosen.capabilities), q, **sharding) is not None:
+    if resolve_plan(chosen.capabilities.view(spec), q, **sharding) is not None:
         raise ValueError(
             "return_chunk_states: expected a single-device call, got a multi-device mesh "
             "(chunk states are not gathered across shards)"

@@ -1,5 +1,5 @@
 """Inputs with model features: packed sequences, grouped value heads, raw inputs for the fused
-activations (an extension of :mod:`gdn2core.testing.inputs`, with the same distributions where
+activations (an extension of :mod:`gdn2_conformance.inputs`, with the same distributions where
 they overlap).
 
 A :class:`FeatureCase` names the shape (``H`` key heads, ``HV = groups * H`` value heads, b and g
@@ -19,8 +19,8 @@ import enum
 import jax.numpy as jnp
 import numpy as np
 
-from gdn2core.spec import L2NORM_EPS, NO_ACTIVATIONS, Activations, GateMode
-from gdn2core.testing.inputs import Inputs
+from gdn2_conformance.inputs import Inputs
+from gdn2core.options import L2NORM_EPS, NO_ACTIVATIONS, Activations, GateMode
 
 
 class GateHeads(enum.StrEnum):
@@ -35,7 +35,7 @@ class FeatureCase:
     """One call with model features.
 
     Attributes:
-        B, T, H, dk, dv: as :class:`~gdn2core.testing.Case`.
+        B, T, H, dk, dv: as :class:`~gdn2_conformance.Case`.
         groups: value heads per key head (``HV = groups * H``).
         gate_heads: the heads of b and g.
         h0: with an initial state (``(B, HV, dk, dv)``; ``(N, HV, dk, dv)`` with seqlens).
@@ -160,7 +160,7 @@ def make_feature_inputs(case: FeatureCase, dtype=jnp.float32) -> Inputs:
         dtype: the input dtype.
 
     Returns:
-        The :class:`~gdn2core.testing.Inputs`.
+        The :class:`~gdn2_conformance.Inputs`.
     """
     arrays = make_feature_arrays(case)
     acc = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32

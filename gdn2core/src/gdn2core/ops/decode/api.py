@@ -8,10 +8,10 @@ sequence's slot (continuous batching), and the op returns the pool with those sl
 every other slot unchanged, bit for bit. The contract is the decode section of
 ``docs/operator.md``.
 
-The core validates the call (:class:`~gdn2core.decode_spec.DecodeSpec`), resolves grouped value
+The core validates the call (:class:`~gdn2core.ops.decode.spec.DecodeSpec`), resolves grouped value
 heads (q, k and H-headed b, g are repeated to the HV value heads: tiny token arrays, while the
 pool, the traffic that bounds a decode step, is untouched), turns the indices into the slots a
-backend receives (:func:`~gdn2core.decode_spec.sanitize_slots`) and runs the backend's
+backend receives (:func:`~gdn2core.ops.decode.spec.sanitize_slots`) and runs the backend's
 :meth:`~gdn2core.plugin.Backend.decode`. The fused activations of the chunked op (gate, q/k L2
 norm, b/w sigmoids; the same keywords as :func:`gdn2core.gdn2_forward`) are applied by the core
 in XLA before the backend's decode (:func:`gdn2core.features.activations.apply_activations`, the
@@ -25,13 +25,13 @@ import jax
 from jaxtyping import Array, Float, Int
 
 from gdn2core.config import DEFAULT_CONFIG, KernelConfig
-from gdn2core.decode_spec import DecodeSpec, expand_heads, sanitize_slots
 from gdn2core.features.activations import (
     ACTIVATION_ARGS,
     activations_of,
     apply_activations,
     check_gate_params,
 )
+from gdn2core.ops.decode.spec import DecodeSpec, expand_heads, sanitize_slots
 from gdn2core.platform import call_platform
 from gdn2core.selection import AUTO, resolve_decode_backend
 

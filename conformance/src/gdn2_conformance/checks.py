@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdn2core.decode_reference import gdn2_decode_reference
-from gdn2core.reference import gdn2_token_serial_reference
-from gdn2core.testing.inputs import GRAD_NAMES, DecodeInputs, Inputs
+from gdn2_conformance.inputs import GRAD_NAMES, DecodeInputs, Inputs
+from gdn2core.ops.decode.reference import gdn2_decode_reference
+from gdn2core.ops.forward.reference import gdn2_token_serial_reference
 
 OpFn = Callable[..., tuple[jax.Array, jax.Array]]
 

@@ -1,44 +1,26 @@
 """One call, from validated inputs to the backend's result: the fused activations (in XLA when the
 backend does not fuse them), grouped value heads, the backend's extras, and the plain or per-shard
-call. The public functions (:mod:`gdn2core.api`) validate and choose the backend; this runs it.
+call. The public functions (:mod:`gdn2core.ops.forward.api`) validate and choose the backend; this runs it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from gdn2core.backend import Backend, Capabilities, Verdict
+from gdn2core.backend import Backend, Verdict
+from gdn2core.checks import state_dtype
 from gdn2core.config import KernelConfig
 from gdn2core.features.activations import apply_activations
-from gdn2core.features.gva import group_call, resolve_spec, ungroup_outputs, ungroup_state
+from gdn2core.features.gva import group_call, ungroup_outputs, ungroup_state
 from gdn2core.features.segments import as_int32_ids
-from gdn2core.reference import state_dtype
+from gdn2core.ops.forward.spec import OpSpec
+from gdn2core.options import OpExtras, SegmentMode
 from gdn2core.sharding.plan import resolve_plan
 from gdn2core.sharding.run import sharded_call
-from gdn2core.spec import NO_ACTIVATIONS, OpExtras, OpSpec, SegmentMode
-
-
-def backend_spec(spec: OpSpec, caps: Capabilities) -> OpSpec:
-    """The spec a backend with ``caps`` sees for a call of ``spec``: grouped value heads resolved
-    (:func:`gdn2core.features.gva.resolve_spec`), and no activations unless it fuses them (the
-    core then applies them in XLA before the call).
-
-    Args:
-        spec: the call's spec.
-        caps: the backend's capabilities.
-
-    Returns:
-        The backend's spec (``spec`` itself when nothing changes).
-    """
-    view = resolve_spec(spec)
-    if view.activations.any and not caps.fused_activations:
-        view = dataclasses.replace(view, activations=NO_ACTIVATIONS)
-    return view
 
 
 def run_backend(
@@ -115,7 +97,7 @@ def _backend_inputs(backend: Backend, spec: OpSpec, args, h0, extras: OpExtras):
     extras (None when the call has no packed sequences and no fused activations)."""
     q, k, v, w, b, g = args
     caps = backend.capabilities
-    view = backend_spec(spec, caps)
+    view = caps.view(spec)
     A_log, dt_bias = extras.A_log, extras.dt_bias
     acc = state_dtype(q.dtype)
     if spec.activations.any and not caps.fused_activations:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdn2core.spec import check_common_dtype, check_scale
+from gdn2core.checks import check_common_dtype, check_scale
 
 #: Pool dtypes for float32 and bfloat16 inputs; float64 inputs may also keep a float64 pool.
 POOL_DTYPES: Final[tuple[str, ...]] = ("float32", "bfloat16")
@@ -96,7 +96,7 @@ class DecodeSpec:
 
         Concrete ``state_indices`` are checked here (range and repeats, see
         :func:`check_state_indices`); traced ones are handled at run time by
-        :func:`gdn2core.decode.sanitize_slots`.
+        :func:`gdn2core.ops.decode.api.sanitize_slots`.
 
         Args:
             q, k, v, w, b, g: the token inputs (arrays or ``ShapeDtypeStruct``).

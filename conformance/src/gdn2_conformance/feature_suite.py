@@ -1,6 +1,6 @@
 """The conformance tests of the model features (grouped value heads, fused activations, packed
 sequences), against the token-serial reference, which implements each of them independently of
-the core. :class:`FeatureTests` is a mixin of :class:`~gdn2core.testing.ConformanceSuite`.
+the core. :class:`FeatureTests` is a mixin of :class:`~gdn2_conformance.ConformanceSuite`.
 
 Packing (chunk length C = the target's ``bt``, T = 2C + 7): with ``segment_ids`` row 0 holds
 sequences of lengths 3, 1, 1, 2 (four starts in the first chunk, two of length 1), C + 1 (across
@@ -8,7 +8,7 @@ a chunk boundary), 1 and C - 2; row 1 starts sequences exactly at the chunk boun
 with ids that alternate between two values. With ``cu_seqlens``: lengths 3, 0, 1, C + 2, 1, 2,
 C - 2, 0 (two empty sequences, one of them last).
 
-Tolerances, beyond the kit's table (:mod:`gdn2core.testing.metrics`):
+Tolerances, beyond the kit's table (:mod:`gdn2_conformance.metrics`):
 
 - :data:`TOL_UNFUSED` (float32, relative): the fused op on raw inputs against the same backend's
   unfused op on inputs activated in float64 NumPy. Both run the same recurrence on inputs that
@@ -29,10 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gdn2core.api import gdn2_forward, gdn2_forward_trainable
-from gdn2core.registry import get_backend
-from gdn2core.spec import Activations, GateMode, OpSpec
-from gdn2core.testing.checks import (
+from gdn2_conformance.checks import (
     check_central_differences,
     cotangent_loss,
     op_function,
@@ -40,15 +37,19 @@ from gdn2core.testing.checks import (
     reference_outputs,
     reference_outputs_and_grads,
 )
-from gdn2core.testing.feature_inputs import (
+from gdn2_conformance.feature_inputs import (
     FeatureCase,
     GateHeads,
     activate_numpy,
     make_feature_inputs,
 )
-from gdn2core.testing.inputs import Inputs
-from gdn2core.testing.metrics import assert_close, rel_err
-from gdn2core.testing.target import Feature, Target, capability
+from gdn2_conformance.inputs import Inputs
+from gdn2_conformance.metrics import assert_close, rel_err
+from gdn2_conformance.target import Feature, Target, capability
+from gdn2core.ops.forward.api import gdn2_forward, gdn2_forward_trainable
+from gdn2core.ops.forward.spec import OpSpec
+from gdn2core.options import Activations, GateMode
+from gdn2core.registry import get_backend
 from gdn2core.verdict import verdict
 
 TOL_UNFUSED = 1e-5

@@ -1,8 +1,8 @@
 """The gdn2 pytest plugin (entry point ``pytest11: gdn2``): runs the conformance suite.
 
-- ``pytest --gdn2-backend NAME`` (repeatable) adds the suite (:mod:`gdn2core.testing.suite`) for
+- ``pytest --gdn2-backend NAME`` (repeatable) adds the suite (:mod:`gdn2_conformance.suite`) for
   the installed backend NAME to the session; ``gdn2 conformance NAME`` runs just that.
-- Tests of a :class:`~gdn2core.testing.suite.ConformanceSuite` subclass are parametrized over its
+- Tests of a :class:`~gdn2_conformance.suite.ConformanceSuite` subclass are parametrized over its
   ``targets`` (or the ``--gdn2-backend`` targets) and their cases (``gdn2_case``) or decode cases
   (``gdn2_decode_case``); a test runs on the targets that claim every feature it needs, and one
   that no target can run is deselected, not skipped.
@@ -50,7 +50,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def _option_targets(config: pytest.Config) -> tuple:
     cache = config.stash[_TARGETS]
     if "option" not in cache:
-        from gdn2core.testing.suite import Target
+        from gdn2_conformance.suite import Target
 
         cache["option"] = tuple(Target.for_backend(n) for n in config.getoption("gdn2_backend"))
     return cache["option"]
@@ -136,7 +136,7 @@ class _Recorder:
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if not self.counts:
             return
-        from gdn2core.testing.suite import Feature
+        from gdn2_conformance.suite import Feature
 
         targets = {t.id: t for t, _ in self.config.stash[_ITEMS].values()}
         terminalreporter.section("gdn2 conformance: pass/fail per capability")

@@ -11,10 +11,10 @@ A project runs it on its own targets with one-line subclasses::
 Adding a case is one line in :data:`CASES`; adding a capability is one :class:`Feature` member
 and the tests tagged with it (``@capability(Feature.X)``). A target that lacks a feature does not
 run its tests (they are deselected, not skipped) and the summary lists it as not claimed. The
-targets, features and cases are in :mod:`gdn2core.testing.target`; the tests of the model
+targets, features and cases are in :mod:`gdn2_conformance.target`; the tests of the model
 features (grouped value heads, fused activations, packed sequences) in
-:mod:`gdn2core.testing.feature_suite`; those of the serving ops (decode, chunk states) in
-:mod:`gdn2core.testing.decode_suite`.
+:mod:`gdn2_conformance.feature_suite`; those of the serving ops (decode, chunk states) in
+:mod:`gdn2_conformance.decode_suite`.
 """
 
 from __future__ import annotations
@@ -26,19 +26,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdn2core.api import gdn2_forward, gdn2_forward_trainable
-from gdn2core.testing.checks import (
+from gdn2_conformance.checks import (
     check_central_differences,
     cotangent_loss,
     outputs_and_grads,
     reference_outputs_and_grads,
 )
-from gdn2core.testing.decode_suite import DecodeTests
-from gdn2core.testing.feature_suite import FeatureTests
-from gdn2core.testing.inputs import GRAD_NAMES, Case, Decay, Inputs, make_inputs
-from gdn2core.testing.metrics import assert_close, rel_err
-from gdn2core.testing.numpy_ref import gated_deltanet_numpy_loop, kda_numpy_loop
-from gdn2core.testing.target import (
+from gdn2_conformance.decode_suite import DecodeTests
+from gdn2_conformance.feature_suite import FeatureTests
+from gdn2_conformance.inputs import GRAD_NAMES, Case, Decay, Inputs, make_inputs
+from gdn2_conformance.metrics import assert_close, rel_err
+from gdn2_conformance.numpy_ref import gated_deltanet_numpy_loop, kda_numpy_loop
+from gdn2_conformance.target import (
     CASES,
     CONFIG_CANDIDATES,
     SMALL_CONFIG,
@@ -47,6 +46,7 @@ from gdn2core.testing.target import (
     Target,
     capability,
 )
+from gdn2core.ops.forward.api import gdn2_forward, gdn2_forward_trainable
 
 
 def _check_forward(target: Target, x: Inputs, dtype: str) -> None:

@@ -5,8 +5,8 @@ NAME``). Tests, the benchmark gate and third-party backends all use these same p
 Importing :mod:`gdn2core` never imports this package.
 """
 
-from gdn2core.testing.backends import ReferenceBackend
-from gdn2core.testing.checks import (
+from gdn2_conformance.backends import ReferenceBackend
+from gdn2_conformance.checks import (
     check_central_differences,
     cotangent_loss,
     decode_reference_outputs,
@@ -15,14 +15,14 @@ from gdn2core.testing.checks import (
     reference,
     reference_outputs_and_grads,
 )
-from gdn2core.testing.feature_inputs import (
+from gdn2_conformance.feature_inputs import (
     FeatureCase,
     GateHeads,
     activate_numpy,
     make_feature_arrays,
     make_feature_inputs,
 )
-from gdn2core.testing.inputs import (
+from gdn2_conformance.inputs import (
     ARG_NAMES,
     GRAD_NAMES,
     INPUT_NAMES,
@@ -37,7 +37,7 @@ from gdn2core.testing.inputs import (
     make_decode_inputs,
     make_inputs,
 )
-from gdn2core.testing.metrics import (
+from gdn2_conformance.metrics import (
     TOLERANCES,
     Quantity,
     assert_close,
@@ -45,8 +45,8 @@ from gdn2core.testing.metrics import (
     rel_err,
     tolerance,
 )
-from gdn2core.testing.suite import ConformanceSuite
-from gdn2core.testing.target import (
+from gdn2_conformance.suite import ConformanceSuite
+from gdn2_conformance.target import (
     CASES,
     DECODE_CASES,
     GATED_FEATURES,

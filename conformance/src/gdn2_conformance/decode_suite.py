@@ -1,11 +1,11 @@
 """The conformance tests of the serving ops: :func:`~gdn2core.gdn2_decode` against the decode
 reference (:func:`~gdn2core.gdn2_decode_reference`) and ``gdn2_forward(...,
 return_chunk_states=True)`` against the token-serial reference. :class:`DecodeTests` is a mixin of
-:class:`~gdn2core.testing.ConformanceSuite`; its tests run on targets that claim
+:class:`~gdn2_conformance.ConformanceSuite`; its tests run on targets that claim
 ``Feature.DECODE`` / ``Feature.CHUNK_STATES`` (declared by ``Capabilities.decode`` /
 ``chunk_states``).
 
-Tolerances: the kit's table (:mod:`gdn2core.testing.metrics`, quantity ``decode`` for the decode
+Tolerances: the kit's table (:mod:`gdn2_conformance.metrics`, quantity ``decode`` for the decode
 op against its reference); the slots a call does not name, and the slot written back against the
 last token state, are compared bit for bit.
 """
@@ -18,14 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdn2core.api import gdn2_forward
-from gdn2core.decode import gdn2_decode
-from gdn2core.decode_reference import gdn2_decode_reference
-from gdn2core.decode_spec import expand_heads
-from gdn2core.testing.checks import decode_reference_outputs, reference_outputs_and_grads
-from gdn2core.testing.inputs import Case, DecodeCase, DecodeInputs, make_decode_inputs, make_inputs
-from gdn2core.testing.metrics import assert_close
-from gdn2core.testing.target import DECODE_CASES, Feature, Target, capability
+from gdn2_conformance.checks import decode_reference_outputs, reference_outputs_and_grads
+from gdn2_conformance.inputs import Case, DecodeCase, DecodeInputs, make_decode_inputs, make_inputs
+from gdn2_conformance.metrics import assert_close
+from gdn2_conformance.target import DECODE_CASES, Feature, Target, capability
+from gdn2core.ops.decode.api import gdn2_decode
+from gdn2core.ops.decode.reference import gdn2_decode_reference
+from gdn2core.ops.decode.spec import expand_heads
+from gdn2core.ops.forward.api import gdn2_forward
 
 
 def _decode(target: Target, x: DecodeInputs, *, jit: bool = False, donate: bool = False):

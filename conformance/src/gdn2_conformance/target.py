@@ -9,10 +9,10 @@ import enum
 import functools
 from collections.abc import Callable
 
+from gdn2_conformance.inputs import Case, Decay, DecodeCase
 from gdn2core.config import DEFAULT_CONFIG, KernelConfig
+from gdn2core.ops.forward.spec import OpSpec
 from gdn2core.platform import default_platform
-from gdn2core.spec import OpSpec
-from gdn2core.testing.inputs import Case, Decay, DecodeCase
 
 #: Small chunks: several chunks at tiny T, fast on a CPU.
 SMALL_CONFIG = KernelConfig(bt=16, bc=8, mb=4)

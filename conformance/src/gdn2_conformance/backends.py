@@ -7,8 +7,8 @@ construction (autodiff gradients, any shape, slow). Named only: ``backend="auto"
 from __future__ import annotations
 
 from gdn2core.backend import Backend, Capabilities
-from gdn2core.decode_reference import gdn2_decode_reference
-from gdn2core.reference import token_serial
+from gdn2core.ops.decode.reference import gdn2_decode_reference
+from gdn2core.ops.forward.reference import token_serial
 
 
 class ReferenceBackend(Backend):

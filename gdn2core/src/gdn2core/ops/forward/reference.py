@@ -28,20 +28,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from gdn2core.checks import state_dtype
 from gdn2core.features.segments import varlen_layout
-from gdn2core.spec import L2NORM_EPS, Activations, GateMode, OpExtras, OpSpec, SegmentMode
-
-
-def state_dtype(dtype) -> jnp.dtype:
-    """The precision of the state and of every accumulator for inputs of ``dtype``.
-
-    Args:
-        dtype: the input dtype.
-
-    Returns:
-        float64 for float64 inputs, else float32.
-    """
-    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+from gdn2core.ops.forward.spec import OpSpec
+from gdn2core.options import L2NORM_EPS, Activations, GateMode, OpExtras, SegmentMode
 
 
 def gdn2_token_serial_reference(

@@ -1,0 +1,82 @@
+"""Argument checks shared by the ops' specs: the common floating dtype, the query scale, shapes, and
+the state dtype of a call. The bottom layer of the core: it imports nothing of gdn2core.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import jax.numpy as jnp
+
+SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float64")
+
+
+def state_dtype(dtype) -> jnp.dtype:
+    """The precision of the state and of every accumulator for inputs of ``dtype``.
+
+    Args:
+        dtype: the input dtype.
+
+    Returns:
+        float64 for float64 inputs, else float32.
+    """
+    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+
+
+def check_common_dtype(arrays: dict[str, Any]) -> str:
+    """The one floating dtype of the token inputs.
+
+    Args:
+        arrays: ``{"q": q, "k": k, ...}`` (anything with a ``dtype``).
+
+    Returns:
+        The dtype's name, one of :data:`SUPPORTED_DTYPES`.
+
+    Raises:
+        TypeError: a non-floating dtype, dtypes that differ, or an unsupported one (naming the
+            arguments and their dtypes).
+    """
+    dtypes = {name: jnp.dtype(x.dtype) for name, x in arrays.items()}
+    for name, dt in dtypes.items():
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise TypeError(f"{name}: expected a floating dtype, got {dt.name}")
+    if len(set(dtypes.values())) > 1:
+        listing = ", ".join(f"{n}={d.name}" for n, d in dtypes.items())
+        raise TypeError(f"{', '.join(dtypes)}: expected one common dtype, got {listing}")
+    first = next(iter(arrays))
+    dtype = dtypes[first].name
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{first}: expected one of {SUPPORTED_DTYPES}, got {dtype}")
+    return dtype
+
+
+def check_scale(scale: Any, dk: int) -> float:
+    """The query scale of a call: ``scale`` as a float, or ``dk ** -0.5`` for None.
+
+    Args:
+        scale: the ``scale`` argument.
+        dk: the key head size.
+
+    Returns:
+        The scale.
+
+    Raises:
+        TypeError: not a real number (a bool, a string or an array is refused).
+        ValueError: not finite.
+    """
+    if scale is None:
+        return dk**-0.5
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+        raise TypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite float, got {scale}")
+    return scale
+
+
+def expect_shape(name: str, actual: Any, expected: tuple[int, ...], axes: str) -> None:
+    actual = tuple(int(s) for s in actual)
+    if actual != expected:
+        raise ValueError(f"{name}: expected shape {axes} = {expected}, got {actual}")
