@@ -78,7 +78,7 @@ def train(model, args, rng) -> float:
 def main(argv=None) -> int:
     args = parse_args(argv)
     tol = args.tol if args.tol is not None else (1e-4 if args.state_dtype == "float32" else 2e-2)
-    config = KernelConfig(bt=args.chunk, bc=args.chunk // 2, mb=min(16, args.chunk // 2))
+    config = KernelConfig(bt=args.chunk)
     rng = np.random.default_rng(args.seed)
     model = MQARModel(
         args.vocab, args.d_model, args.layers, args.heads, args.head_dim,

@@ -261,7 +261,7 @@ def main(argv=None) -> int:
     mesh = make_mesh(args.devices) if args.devices > 1 else None
     mesh_axes = {} if mesh is None else dict(mesh=mesh, batch_axes="data")
     T = 3 * args.pairs
-    config = KernelConfig(bt=args.chunk, bc=args.chunk // 2, mb=min(16, args.chunk // 2))
+    config = KernelConfig(bt=args.chunk)
     rng = np.random.default_rng(args.seed)
     eval_rng = np.random.default_rng(args.seed + 10_000)
 

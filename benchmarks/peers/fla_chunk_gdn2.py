@@ -40,10 +40,10 @@ from pathlib import Path
 
 import numpy as np
 
+from gdn2_conformance import GRAD_NAMES, TOLERANCES, make_arrays
 from gdn2_tools.bench import gate as gate_mod
 from gdn2_tools.bench.inputs import bench_case
 from gdn2_tools.bench.shapes import SHAPE_LISTS, BenchShape, parse_shape
-from gdn2_conformance import GRAD_NAMES, TOLERANCES, make_arrays
 
 
 def _arrays(shape: BenchShape, seed: int) -> tuple[dict, dict]:

@@ -35,7 +35,7 @@ class TestPallasTpuInterpret(ConformanceSuite):
     targets = (
         Target(
             "pallas_tpu",
-            KernelConfig(bt=16, bc=8, mb=8, interpret=True),
+            KernelConfig(bt=16, interpret=True),
             ((64, 64), (64, 128), (128, 64)),
             frozenset(Feature) - {Feature.FLOAT64},
             quick=True,

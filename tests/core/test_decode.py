@@ -149,7 +149,7 @@ def test_decode_equals_the_chunked_forward(case, dtype):
     with jax.default_matmul_precision("highest"):
         o_fwd, h_fwd = gdn2_forward(
             q, k, x.v, x.w, b, g, h0=x.state[slots], backend="jax_ref",
-            config=KernelConfig(bt=4, bc=2, mb=2),
+            config=KernelConfig(bt=4),
         )  # fmt: skip
     tol = 1e-5 if dtype == "float32" else 2e-2
     assert rel_err(o, o_fwd) <= tol
@@ -290,7 +290,7 @@ def test_chunk_states_with_grouped_heads_and_activations(Hg):
     reference's h_final over those tokens): float32, 1e-5 relative."""
     args, h0 = _forward_inputs(2, 11, 1, 2, Hg, 8, 4, seed=Hg)
     kw = dict(ACTIVATIONS[0], **_gate_params(ACTIVATIONS[0], Hg, 8, seed=5))
-    config = KernelConfig(bt=4, bc=2, mb=2)
+    config = KernelConfig(bt=4)
     o, h, chunks = gdn2_forward(
         *args, h0=h0, config=config, backend="jax_ref", return_chunk_states=True, **kw
     )

@@ -117,7 +117,7 @@ def test_generate_prefill_and_decode_match_one_forward():
 
 def test_train_mqar_packed_smoke():
     """``--packed 2``: rows of two MQAR examples marked by segment_ids (the learning check, same
-    accuracy as unpacked, is the full run: README, MQAR demo)."""
+    accuracy as unpacked, is the full run: docs/results.md, MQAR demo)."""
     name = _backend()
     out = _run("train_mqar.py", "--backend", name, "--packed", "2", *TINY_MQAR)
     assert "packed: 2 examples per row, 2 rows of 24 tokens (segment_ids)" in out, out

@@ -124,7 +124,7 @@ def test_forget_float32_matches_reference(x64, value, bt):
     gradients finite and close to jax.grad of the float64 reference on the same values; dg
     exactly 0 where g = -inf, as in the reference. Before the floor on g: NaN from the first
     such token on (-inf, -3e38), and 3e-4 errors from |gamma_cum| ~ 1e4 (-1e4)."""
-    config = KernelConfig(bt=bt, bc=bt // 2, mb=min(16, bt // 2))
+    config = KernelConfig(bt=bt)
     inp = forget_inputs(value, jnp.float32)
     (o_ref, h_ref), g_ref = run("reference", in_float64(inp))
     (o, h), grads = run("jax_ref", inp, config)
@@ -143,7 +143,7 @@ def test_forget_float32_matches_reference(x64, value, bt):
 def test_forget_float64_matches_reference(x64, value):
     """float64: the float64 floor (below exp's underflow at -745) gives the reference's result
     to rounding."""
-    config = KernelConfig(bt=16, bc=8, mb=4)
+    config = KernelConfig(bt=16)
     inp = forget_inputs(value, jnp.float64)
     (o_ref, h_ref), g_ref = run("reference", inp)
     (o, h), grads = run("jax_ref", inp, config)
@@ -181,7 +181,7 @@ def test_dg_accurate_relative_to_its_own_size(x64, decay, bt):
     float32 rounding of gamma_cum (|gamma_cum| up to 20 C) perturbs each decay by
     ~ulp(|gamma_cum|). The mixed case (2e-7 to 9e-7 before and after) guards the ordinary
     regime. The other outputs keep the float32 tolerances."""
-    config = KernelConfig(bt=bt, bc=bt // 2, mb=min(16, bt // 2))
+    config = KernelConfig(bt=bt)
     inp, ((o_ref, h_ref), g_ref) = dg_inputs(decay)
     (o, h), grads = run("jax_ref", inp, config)
     assert rel_err(grads[5], g_ref[5]) <= TOL_DG_OWN_SIZE, rel_err(grads[5], g_ref[5])

@@ -16,9 +16,10 @@ import pytest
 
 from gdn2_conformance import rel_err
 from gdn2_jax_ref.backend import JaxRefBackend
-from gdn2core import KernelConfig, gdn2_forward, gdn2_forward_trainable, gdn2_token_serial_reference
+from gdn2_jax_ref.config import JaxRefConfig
+from gdn2core import gdn2_forward, gdn2_forward_trainable, gdn2_token_serial_reference
 
-CONFIG = KernelConfig(bt=8, bc=4, mb=2)
+CONFIG = JaxRefConfig(bt=8, bc=4, wy_block=2)
 # float64 against float64: rounding only (docs/algorithm.md 8 measures <= 2.5e-14).
 TOL_F64 = 1e-10
 

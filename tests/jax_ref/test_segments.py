@@ -15,10 +15,10 @@ import pytest
 
 from gdn2_conformance import Case, check_central_differences, make_inputs, rel_err
 from gdn2_jax_ref import chunk, scores
+from gdn2_jax_ref.config import JaxRefConfig
 from gdn2_jax_ref.params import ChunkParams
 from gdn2_jax_ref.segments import RowSegments, segment_numbers
 from gdn2_jax_ref.vjp import gdn2_chunk_trainable
-from gdn2core import KernelConfig
 from tests.jax_ref.reset_reference import serial_with_resets, starts_of
 
 NAMES = ("q", "k", "v", "w", "b", "g", "h0")
@@ -36,8 +36,10 @@ def ids_from_starts(T: int, starts, first_id: int = 0) -> np.ndarray:
     return (np.cumsum(row) % 2 + first_id).astype(np.int32)
 
 
-def params_of(case: Case, bt: int, bc: int, mb: int, acc: str) -> ChunkParams:
-    return ChunkParams(scale=case.dk**-0.5, bt=bt, bc=bc, mb=mb, wy_eps=0.0, clip=60.0, acc=acc)
+def params_of(case: Case, bt: int, bc: int, wy_block: int, acc: str) -> ChunkParams:
+    return ChunkParams(
+        scale=case.dk**-0.5, bt=bt, bc=bc, wy_block=wy_block, wy_eps=0.0, clip=60.0, acc=acc
+    )
 
 
 @functools.cache
@@ -67,7 +69,7 @@ LAYOUTS = {
     "every-token": (range(1, 37), [18]),
     "none": ([], [36]),
 }
-# (bt, bc, mb): one level of sub-chunks (pairwise diagonal); the recursive diagonal (bc = 8 >
+# (bt, bc, wy_block): one level of sub-chunks (pairwise diagonal); the recursive diagonal (bc = 8 >
 # leaf) with off-diagonal reference rows.
 BLOCKINGS = [(8, 4, 2), (16, 8, 4)]
 
@@ -114,13 +116,13 @@ def test_several_groups_and_forgotten_channels_f64(x64, monkeypatch):
 
 
 def test_float32_default_config(x64):
-    """float32 inputs, the default KernelConfig (C = 64), several sequences per chunk and
+    """float32 inputs, the default JaxRefConfig (C = 64), several sequences per chunk and
     sequences spanning chunks, against the float64 recurrence."""
     case = Case(B=2, T=200, H=2, dk=32, dv=16, b_max=2.0, decay="strong", seed=4)
     inp = make_inputs(case, jnp.float32)
     ids = np.stack([ids_from_starts(200, [3, 50, 51, 64, 70, 130]), ids_from_starts(200, [127])])
-    cfg = KernelConfig()
-    params = params_of(case, cfg.bt, cfg.bc, cfg.mb, "float32")
+    cfg = JaxRefConfig()
+    params = params_of(case, cfg.bt, cfg.bc, cfg.wy_block, "float32")
     g32, (o, h) = run("jax_ref", params, inp, ids)
     inp64 = make_inputs(case, jnp.float64)
     g_ref, (o_ref, h_ref) = run("serial", params_of(case, 64, 32, 16, "float64"), inp64, ids)
@@ -153,13 +155,13 @@ def test_central_differences_f64(x64):
 # Row 0 of the leakage test: sequences [0, 50), [50, 51), [51, 130), [130, 200) - the third
 # crosses the chunk boundaries at 64 and 128 (C = 64) and shares chunks with its neighbours.
 LEAK_SEQS = [(0, 50), (50, 51), (51, 130), (130, 200)]
-SMALL = KernelConfig(bt=16, bc=8, mb=4)
+SMALL = JaxRefConfig(bt=16, bc=8, wy_block=4)
 
 
 @pytest.mark.parametrize(
     ("victim", "config"),
-    [*((victim, SMALL) for victim in (0, 2, 3)), (2, KernelConfig())],
-    ids=lambda x: f"bt{x.bt}" if isinstance(x, KernelConfig) else f"seq{x}",
+    [*((victim, SMALL) for victim in (0, 2, 3)), (2, JaxRefConfig())],
+    ids=lambda x: f"bt{x.bt}" if isinstance(x, JaxRefConfig) else f"seq{x}",
 )
 def test_no_leakage_bit_for_bit(config, victim):
     """Perturbing every input of one sequence changes no result of any other sequence, not by an
@@ -176,7 +178,7 @@ def test_no_leakage_bit_for_bit(config, victim):
             **{n: getattr(inp, n).at[0, lo:hi].set(getattr(other, n)[0, lo:hi]) for n in NAMES[:6]},
         }
     )
-    params = params_of(case, config.bt, config.bc, config.mb, "float32")
+    params = params_of(case, config.bt, config.bc, config.wy_block, "float32")
     g_a, (o_a, h_a) = run("jax_ref", params, inp, ids)
     g_b, (o_b, h_b) = run("jax_ref", params, changed, ids)
     keep = np.ones((2, 200), bool)

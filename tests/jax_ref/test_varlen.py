@@ -16,10 +16,10 @@ import pytest
 
 from gdn2_conformance import Case, check_central_differences, make_inputs, rel_err
 from gdn2_jax_ref import chunk
+from gdn2_jax_ref.config import JaxRefConfig
 from gdn2_jax_ref.params import ChunkParams
 from gdn2_jax_ref.varlen import VarlenLayout, VarlenRows, varlen_length
 from gdn2_jax_ref.vjp import gdn2_chunk_trainable
-from gdn2core import KernelConfig
 from tests.jax_ref.reset_reference import serial_varlen
 
 NAMES = ("q", "k", "v", "w", "b", "g", "h0")
@@ -28,8 +28,10 @@ NAMES = ("q", "k", "v", "w", "b", "g", "h0")
 TOL_F64 = 1e-10
 
 
-def params_of(case: Case, bt: int, bc: int, mb: int, acc: str) -> ChunkParams:
-    return ChunkParams(scale=case.dk**-0.5, bt=bt, bc=bc, mb=mb, wy_eps=0.0, clip=60.0, acc=acc)
+def params_of(case: Case, bt: int, bc: int, wy_block: int, acc: str) -> ChunkParams:
+    return ChunkParams(
+        scale=case.dk**-0.5, bt=bt, bc=bc, wy_block=wy_block, wy_eps=0.0, clip=60.0, acc=acc
+    )
 
 
 def per_seq(case: Case, n_seqs: int, seed: int, dtype):
@@ -111,9 +113,9 @@ def test_float32_default_config(x64):
     cu = [0, 3, 50, 51, 130, 200]
     inp = make_inputs(case, jnp.float32)
     h0, dh = per_seq(case, 5, 5, jnp.float32)
-    cfg = KernelConfig()
+    cfg = JaxRefConfig()
     g32, (o, h) = run(
-        "jax_ref", params_of(case, cfg.bt, cfg.bc, cfg.mb, "float32"), inp, h0, dh, cu
+        "jax_ref", params_of(case, cfg.bt, cfg.bc, cfg.wy_block, "float32"), inp, h0, dh, cu
     )
     inp64 = make_inputs(case, jnp.float64)
     h64, dh64 = (x.astype(jnp.float64) for x in (h0, dh))
@@ -164,8 +166,8 @@ def test_no_leakage_bit_for_bit(victim):
         }
     )
     h0_b = h0.at[victim].set(2.0 * h0[victim] + 0.1)
-    cfg = KernelConfig()
-    params = params_of(case, cfg.bt, cfg.bc, cfg.mb, "float32")
+    cfg = JaxRefConfig()
+    params = params_of(case, cfg.bt, cfg.bc, cfg.wy_block, "float32")
     g_a, (o_a, h_a) = run("jax_ref", params, inp, h0, dh, cu)
     g_b, (o_b, h_b) = run("jax_ref", params, changed, h0_b, dh, cu)
     keep = np.ones(200, bool)

@@ -15,10 +15,11 @@ import pytest
 from gdn2_conformance import Case, make_inputs, rel_err
 from gdn2_jax_ref import chunk
 from gdn2_jax_ref.backend import JaxRefBackend
+from gdn2_jax_ref.config import JaxRefConfig
 from gdn2_jax_ref.forward import gdn2_chunk_forward
 from gdn2_jax_ref.params import ChunkParams
 from gdn2_jax_ref.vjp import Residuals, _fwd, gdn2_chunk_trainable
-from gdn2core import KernelConfig, OpSpec, gdn2_token_serial_reference
+from gdn2core import OpSpec, gdn2_token_serial_reference
 
 NAMES = ("q", "k", "v", "w", "b", "g", "h0")
 
@@ -90,8 +91,8 @@ def test_custom_vjp_matches_autodiff_of_reference_f64(
     if group_bytes is not None:
         monkeypatch.setattr(chunk, "GROUP_BYTES", group_bytes)
     inp = with_blocks_of_minus_30(make_inputs(case, jnp.float64), 3, 12)
-    bt, bc, mb = blocking
-    params, _ = params_for(inp, KernelConfig(bt=bt, bc=bc, mb=mb), jnp.float64)
+    bt, bc, wy_block = blocking
+    params, _ = params_for(inp, JaxRefConfig(bt=bt, bc=bc, wy_block=wy_block), jnp.float64)
     (o, h), (o_ref, h_ref), g_ours, g_ref = jax_ref_and_reference(inp, params)
     # float64: the same operator summed in another order; docs/algorithm.md 8 measures <= 2.5e-14 for
     # all of these. 1e-10 leaves room for T's growth with b up to 2, while any wrong term in
@@ -110,7 +111,7 @@ def test_wy_eps_forward_bias_and_backward_consistency(x64):
     the plain-JAX chunked forward)."""
     inp = make_inputs(Case(B=1, T=21, H=1, dk=6, dv=5, decay="strong", seed=4), jnp.float64)
     eps = 1e-2
-    params, _ = params_for(inp, KernelConfig(bt=8, bc=4, mb=2, wy_eps=eps), jnp.float64)
+    params, _ = params_for(inp, JaxRefConfig(bt=8, bc=4, wy_block=2, wy_eps=eps), jnp.float64)
     (o, _), g_custom = run("jax_ref", params, inp)
     o_ref, _ = gdn2_token_serial_reference(*inp.args, params.scale, inp.h0)
     bias = rel_err(o, o_ref)
@@ -127,7 +128,7 @@ def test_float32_and_bfloat16(x64):
     (bf16-rounded) inputs, as docs/operator.md prescribes."""
     case = Case(B=1, T=50, H=2, dk=16, dv=8, b_max=2.0, decay="strong", seed=5)
     inp64 = make_inputs(case, jnp.float64)
-    cfg = KernelConfig(bt=16, bc=8, mb=4)
+    cfg = JaxRefConfig(bt=16, bc=8, wy_block=4)
     params64, _ = params_for(inp64, cfg, jnp.float64)
     (o_ref, h_ref), g_ref = run("serial", params64, inp64)
 
@@ -162,7 +163,7 @@ def test_g_minus_50_float32_is_finite_and_correct(x64):
     case = Case(B=1, T=40, H=1, dk=8, dv=8, seed=6)
     inp64 = make_inputs(case, jnp.float64)
     inp64 = type(inp64)(**{**inp64.__dict__, "g": inp64.g.at[:, 2:34:2].set(-50.0)})
-    cfg = KernelConfig(bt=32, bc=16, mb=8)
+    cfg = JaxRefConfig(bt=32, bc=16, wy_block=8)
     params64, _ = params_for(inp64, cfg, jnp.float64)
     (o_ref, h_ref), g_ref = run("serial", params64, inp64)
     inp32 = inp64.astype(jnp.float32)
@@ -185,7 +186,7 @@ def test_g_minus_50_float32_is_finite_and_correct(x64):
 def test_jit_vmap_and_grad():
     """jit, vmap over an extra leading axis, and grad of a loss using o and h_final compose; the
     batched result equals the per-example one."""
-    cfg = KernelConfig(bt=8, bc=4, mb=2)
+    cfg = JaxRefConfig(bt=8, bc=4, wy_block=2)
     inps = [make_inputs(Case(B=1, T=19, H=2, dk=4, dv=6, seed=s)) for s in (7, 8)]
     params, _ = params_for(inps[0], cfg, jnp.float32)
     stacked = [
@@ -213,7 +214,7 @@ def test_jit_vmap_and_grad():
 def test_residuals_are_the_inputs_and_group_states(monkeypatch):
     monkeypatch.setattr(chunk, "GROUP_BYTES", 1)  # one chunk per group: the most states
     inp = make_inputs(Case(B=2, T=21, H=3, dk=4, dv=5, seed=9))
-    params, _ = params_for(inp, KernelConfig(bt=8, bc=4, mb=2), jnp.float32)
+    params, _ = params_for(inp, JaxRefConfig(bt=8, bc=4, wy_block=2), jnp.float32)
     _, res = _fwd(*inp.args, inp.h0, params)
     assert isinstance(res, Residuals)
     leaves = jax.tree_util.tree_leaves(res)
@@ -229,7 +230,7 @@ def test_backend_class():
     assert (be.name, be.priority, bool(be.availability())) == ("jax_ref", 100, True)
     inp = make_inputs(Case(B=1, T=10, H=1, dk=4, dv=4, seed=10))
     spec = OpSpec.from_inputs(*inp.args, None, inp.h0)
-    cfg = KernelConfig(bt=8, bc=4, mb=2)
+    cfg = JaxRefConfig(bt=8, bc=4, wy_block=2)
     o, h = jax.jit(functools.partial(be.forward, spec=spec, config=cfg))(*inp.args, inp.h0)
     trainable = functools.partial(be.forward_trainable, spec=spec, config=cfg)
     o_t, h_t = jax.jit(trainable)(*inp.args, inp.h0)
@@ -244,7 +245,7 @@ def test_stage_probes_report_under_gdn2_fwd_diag(monkeypatch, caplog):
     """GDN2_FWD_DIAG=1 (read at trace time) makes the forward report its named stages."""
     monkeypatch.setenv("GDN2_FWD_DIAG", "1")
     inp = make_inputs(Case(B=1, T=9, H=1, dk=4, dv=4, seed=11))
-    params, _ = params_for(inp, KernelConfig(bt=8, bc=4, mb=2), jnp.float32)
+    params, _ = params_for(inp, JaxRefConfig(bt=8, bc=4, wy_block=2), jnp.float32)
     with caplog.at_level("INFO", logger="gdn2core.diag"):
         out = jax.jit(gdn2_chunk_forward, static_argnums=7)(*inp.args, inp.h0, params)
         jax.block_until_ready(out)

@@ -240,7 +240,7 @@ def test_pallas_interpret_context_and_batch():
     batch over 2; outputs, h_final and the seven gradients against the reference."""
     from gdn2core import KernelConfig
 
-    cfg = KernelConfig(bt=16, bc=8, mb=8, interpret=True)
+    cfg = KernelConfig(bt=16, interpret=True)
     mesh = auto_mesh((2, 2), ("c", "d"))
     x = make_inputs(Case(B=2, T=64, H=1, dk=64, dv=64, seed=5))
     args = put(x, mesh, PartitionSpec("d", "c", None, None), PartitionSpec("d", None, None, None))

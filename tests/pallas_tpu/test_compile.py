@@ -35,15 +35,15 @@ def test_eight_heads_token_major_compile_in_place(dtype):
     in the lanes of a saved residual. Neither step copies an input: the inference forward needs
     no scratch HBM, the train step only its residuals and o (the 256 MiB budget is for H = 6)."""
     from gdn2_pallas_tpu.plan import Layout, make_plan
-    from gdn2core import KAGGLE_SMALL
+    from gdn2core import SHORT_CHUNKS
     from gdn2core.ops.forward.spec import OpSpec
 
-    plan = make_plan(OpSpec(B, T, 8, 128, 128, dtype, 1.0), KAGGLE_SMALL)
+    plan = make_plan(OpSpec(B, T, 8, 128, 128, dtype, 1.0), SHORT_CHUNKS)
     assert (plan.layout, plan.hb, plan.nc, plan.lane_pack) == (Layout.TOKEN_MAJOR, 8, 4, 4)
-    fwd = compile_for_tpu("v5e:1x1", "forward", B, T, 8, 128, 128, dtype, KAGGLE_SMALL)
+    fwd = compile_for_tpu("v5e:1x1", "forward", B, T, 8, 128, 128, dtype, SHORT_CHUNKS)
     assert "tpu_custom_call" in fwd.as_text()
     assert fwd.memory_analysis().temp_size_in_bytes == 0
-    train = compile_for_tpu("v5e:1x1", "train", B, T, 8, 128, 128, dtype, KAGGLE_SMALL)
+    train = compile_for_tpu("v5e:1x1", "train", B, T, 8, 128, 128, dtype, SHORT_CHUNKS)
     assert "gdn2_bwd" in train.as_text()
     itemsize = 4 if dtype == "float32" else 2
     o_bytes = B * T * 8 * 128 * itemsize

@@ -28,7 +28,7 @@ from gdn2_pallas_tpu.decode_plan import (
 from gdn2_tools.tpu import compile_decode
 from gdn2core import DecodeSpec, KernelConfig, gdn2_decode, get_backend
 
-INTERPRET = KernelConfig(bt=16, bc=8, mb=8, interpret=True)
+INTERPRET = KernelConfig(bt=16, interpret=True)
 
 
 def _spec(N=8, S=1, HV=32, dk=128, dv=128, dtype="float32", pool="float32", states=False):

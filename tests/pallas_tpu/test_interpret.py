@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gdn2core import DEFAULT_CONFIG, KAGGLE_SMALL, KernelConfig, gdn2_forward, get_backend
+from gdn2core import DEFAULT_CONFIG, SHORT_CHUNKS, KernelConfig, gdn2_forward, get_backend
 from gdn2core.ops.forward.spec import OpSpec
 
 from .helpers import (
@@ -19,8 +19,8 @@ from .helpers import (
     rel_err,
 )
 
-SMALL = KernelConfig(bt=16, bc=8, mb=8, interpret=True)
-C32 = KernelConfig(bt=32, bc=16, mb=8, interpret=True)
+SMALL = KernelConfig(bt=16, interpret=True)
+C32 = KernelConfig(bt=32, interpret=True)
 
 # (T, H, dk, dv, dtype, with_h0, config, strong). The plan puts hb heads (the largest divisor of
 # H up to 8) and up to 24 / hb chunks in a grid step: H=2 runs 2 heads x 4 chunks, H=3 and H=6
@@ -40,7 +40,7 @@ CASES = {
         130, 2, 64, 64, "float32", True, DEFAULT_CONFIG.model_copy(update={"interpret": True}), 0.1,
     ),
     "T70_H2_d64_bf16_small_preset": (
-        70, 2, 64, 64, "bfloat16", True, KAGGLE_SMALL.model_copy(update={"interpret": True}), 0.1,
+        70, 2, 64, 64, "bfloat16", True, SHORT_CHUNKS.model_copy(update={"interpret": True}), 0.1,
     ),
 }  # fmt: skip
 

@@ -10,11 +10,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from gdn2_jax_ref.config import JaxRefConfig
 from gdn2_pallas_tpu import cost
+from gdn2_pallas_tpu.config import PallasTpuConfig
 from gdn2_pallas_tpu.kernels_bwd import backward_call
 from gdn2_pallas_tpu.kernels_fwd import forward_call
-from gdn2_pallas_tpu.plan import MAX_STEP_ROWS, make_plan, vmem_bytes
-from gdn2core import DEFAULT_CONFIG, KAGGLE_LARGE, KernelConfig
+from gdn2_pallas_tpu.plan import MAX_STEP_ROWS, check_plan, make_plan, vmem_bytes
+from gdn2core import DEFAULT_CONFIG, LONG_CHUNKS, KernelConfig
 from gdn2core.ops.forward.spec import OpSpec
 
 V5E = 128 * 2**20  # per-core VMEM of v5e and v6e
@@ -39,8 +41,8 @@ def test_blocking(H, T, hb, nc):
 
 
 def test_blocking_shrinks_to_fit_a_small_vmem():
-    big = make_plan(OpSpec(1, 4096, 6, 256, 256, "float32", 1.0), KAGGLE_LARGE, V5E)
-    small = make_plan(OpSpec(1, 4096, 6, 256, 256, "float32", 1.0), KAGGLE_LARGE, 16 * 2**20)
+    big = make_plan(OpSpec(1, 4096, 6, 256, 256, "float32", 1.0), LONG_CHUNKS, V5E)
+    small = make_plan(OpSpec(1, 4096, 6, 256, 256, "float32", 1.0), LONG_CHUNKS, 16 * 2**20)
     assert small.units < big.units
     assert vmem_bytes(small, True)["total"] <= 0.9 * 16 * 2**20 or small.units == 1
 
@@ -98,8 +100,17 @@ def test_cost_counts_scale_with_tokens():
     )
 
 
-def test_config_blocking_fields_other_than_bt_do_not_change_the_plan():
+def test_plan_reads_a_core_or_own_config_and_refuses_another_backends():
+    """A core KernelConfig and a PallasTpuConfig with the same fields plan alike; jax_ref's
+    JaxRefConfig (whose bc, wy_block and clip the kernels would ignore) is refused by name."""
     spec = OpSpec(1, 256, 2, 64, 64, "float32", 0.125)
-    a = make_plan(spec, KernelConfig(bt=32, bc=16, mb=8), V5E)
-    b = make_plan(spec, KernelConfig(bt=32, bc=16, mb=4, clip=10.0), V5E)
-    assert a == b
+    core = KernelConfig(bt=32, wy_eps=0.01)
+    own = PallasTpuConfig.from_config(core)
+    assert type(own) is PallasTpuConfig and own == PallasTpuConfig(bt=32, wy_eps=0.01)
+    assert PallasTpuConfig.from_config(own) is own
+    assert make_plan(spec, core, V5E) == make_plan(spec, own, V5E)
+    assert make_plan(spec, own, V5E).wy_eps == 0.01
+    message = "config: expected a KernelConfig or PallasTpuConfig, got JaxRefConfig"
+    with pytest.raises(TypeError, match=message):
+        make_plan(spec, JaxRefConfig(bt=32), V5E)
+    assert check_plan(spec, JaxRefConfig(bt=32)) == message

@@ -50,7 +50,7 @@ from gdn2core.ops.forward.api import gdn2_forward, gdn2_forward_trainable
 from gdn2core.ops.forward.spec import OpSpec
 from gdn2core.options import Activations, GateMode
 from gdn2core.registry import get_backend
-from gdn2core.verdict import verdict
+from gdn2core.verdict import judge
 
 TOL_UNFUSED = 1e-5
 TOL_GVA_PLAIN = 1e-5
@@ -87,7 +87,7 @@ def _head_sizes(target: Target, groups: int, gate_heads: GateHeads) -> tuple[int
     for dk, dv in target.head_sizes:
         hv = 2 * groups
         spec = OpSpec(1, 16, 2, dk, dv, "float32", 1.0, hv, 2 if gate_heads == "key" else hv)
-        answer = verdict(backend, spec, target.config, trainable=False, auto=False, platform=None)
+        answer = judge(backend, spec, target.config, trainable=False, auto=False, platform=None)
         if answer:
             return dk, dv
         reasons.append(f"(dk={dk}, dv={dv}): {answer.reason}")

@@ -283,17 +283,6 @@ class DecodeInputs:
         """
         return dataclasses.replace(self, **{n: getattr(self, n).astype(dtype) for n in INPUT_NAMES})
 
-    def with_pool_dtype(self, dtype) -> DecodeInputs:
-        """The pool in ``dtype`` (float32 or bfloat16).
-
-        Args:
-            dtype: the pool dtype.
-
-        Returns:
-            The inputs with the pool cast.
-        """
-        return dataclasses.replace(self, state=self.state.astype(dtype))
-
 
 def make_decode_arrays(case: DecodeCase) -> dict[str, np.ndarray]:
     """Float64 NumPy arrays for a decode case, from the same distributions as :func:`make_arrays`

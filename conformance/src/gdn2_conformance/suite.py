@@ -6,7 +6,7 @@ NAME``): each test checks one :class:`Feature`, and the run ends with pass/fail 
 A project runs it on its own targets with one-line subclasses::
 
     class TestMine(ConformanceSuite):
-        targets = (Target("mine", KernelConfig(bt=16, bc=8, mb=4)),)
+        targets = (Target("mine", KernelConfig(bt=16)),)
 
 Adding a case is one line in :data:`CASES`; adding a capability is one :class:`Feature` member
 and the tests tagged with it (``@capability(Feature.X)``). A target that lacks a feature does not

@@ -14,8 +14,9 @@ from gdn2core.config import DEFAULT_CONFIG, KernelConfig
 from gdn2core.ops.forward.spec import OpSpec
 from gdn2core.platform import default_platform
 
-#: Small chunks: several chunks at tiny T, fast on a CPU.
-SMALL_CONFIG = KernelConfig(bt=16, bc=8, mb=4)
+#: Small chunks: several chunks at tiny T, fast on a CPU. A core config: each backend derives its
+#: own knobs from it (jax_ref: bc=8, wy_block=4).
+SMALL_CONFIG = KernelConfig(bt=16)
 
 
 class Feature(enum.StrEnum):
@@ -217,7 +218,7 @@ class Target:
             ValueError: no candidate config is accepted here (the message says why).
         """
         from gdn2core.registry import get_backend
-        from gdn2core.verdict import verdict
+        from gdn2core.verdict import judge
 
         backend = get_backend(name)
         caps = backend.capabilities
@@ -238,10 +239,10 @@ class Target:
         reasons = []
         for candidate in CONFIG_CANDIDATES:
             config = candidate.model_copy(update={"interpret": interpret})
-            answer = verdict(backend, spec, config, trainable=False, auto=False, platform=here)
+            answer = judge(backend, spec, config, trainable=False, auto=False, platform=here)
             if answer:
                 break
-            reasons.append(f"bt={config.bt} bc={config.bc} mb={config.mb}: {answer.reason}")
+            reasons.append(f"bt={config.bt}: {answer.reason}")
         else:
             raise ValueError(f"gdn2 backend {name!r} accepts no config here: {'; '.join(reasons)}")
         return cls(name, config, heads, declared_features(name, interpret=interpret))
@@ -250,7 +251,6 @@ class Target:
 #: Configs :meth:`Target.for_backend` tries, in order.
 CONFIG_CANDIDATES: tuple[KernelConfig, ...] = (
     SMALL_CONFIG,
-    KernelConfig(bt=16, bc=8, mb=8),
     DEFAULT_CONFIG,
 )
 

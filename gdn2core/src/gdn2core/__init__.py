@@ -12,7 +12,9 @@ from gdn2core.config import (
     KAGGLE_LARGE,
     KAGGLE_MEDIUM,
     KAGGLE_SMALL,
+    LONG_CHUNKS,
     PRESETS,
+    SHORT_CHUNKS,
     KernelConfig,
 )
 from gdn2core.hooks import hookimpl
@@ -23,7 +25,7 @@ from gdn2core.ops.decode.spec import DecodeSpec
 from gdn2core.ops.forward.api import gdn2_forward, gdn2_forward_trainable, which_backend
 from gdn2core.ops.forward.reference import gdn2_token_serial_reference
 from gdn2core.ops.forward.spec import OpSpec
-from gdn2core.options import Activations, GateMode, OpExtras, SegmentMode
+from gdn2core.options import Activations, FeatureArgs, Features, GateMode, OpExtras, SegmentMode
 from gdn2core.platform import is_tpu_available
 from gdn2core.registry import (
     BackendInfo,
@@ -43,7 +45,9 @@ __all__ = [
     "KAGGLE_LARGE",
     "KAGGLE_MEDIUM",
     "KAGGLE_SMALL",
+    "LONG_CHUNKS",
     "PRESETS",
+    "SHORT_CHUNKS",
     "Activations",
     "Backend",
     "BackendInfo",
@@ -51,6 +55,8 @@ __all__ = [
     "BackendUnsupportedError",
     "Capabilities",
     "DecodeSpec",
+    "FeatureArgs",
+    "Features",
     "GateMode",
     "KernelConfig",
     "OpExtras",

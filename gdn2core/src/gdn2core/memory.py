@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from gdn2core.config import KAGGLE_LARGE, KAGGLE_MEDIUM, KAGGLE_SMALL, KernelConfig
+from gdn2core.config import DEFAULT_CONFIG, LONG_CHUNKS, SHORT_CHUNKS, KernelConfig
 from gdn2core.features.gva import resolve_spec
 from gdn2core.ops.forward.spec import OpSpec
 
@@ -98,14 +98,16 @@ def get_recommended_config(spec: OpSpec) -> KernelConfig:
     Returns:
         One of the presets, by these rules:
 
-    - ``T <= 64``: KAGGLE_SMALL (C=32), so that a short sequence is not mostly padding.
-    - ``T >= 8192`` with ``dk, dv <= 128``: KAGGLE_LARGE (C=128): half the sequential chunk steps,
+    - ``T <= 64``: SHORT_CHUNKS (C=32), so that a short sequence is not mostly padding.
+    - ``T >= 8192`` with ``dk, dv <= 128``: LONG_CHUNKS (C=128): half the sequential chunk steps,
       and 128-wide MXU tiles, worth the +47% forward FLOPs on long sequences.
-    - otherwise KAGGLE_MEDIUM (C=64), the default.
+    - otherwise DEFAULT_CONFIG (C=64).
+
+    A core :class:`~gdn2core.config.KernelConfig`: each backend derives its own knobs from it.
     """
     spec = resolve_spec(spec)
     if spec.seq_len <= 64:
-        return KAGGLE_SMALL
+        return SHORT_CHUNKS
     if spec.seq_len >= 8192 and max(spec.dk, spec.dv) <= 128:
-        return KAGGLE_LARGE
-    return KAGGLE_MEDIUM
+        return LONG_CHUNKS
+    return DEFAULT_CONFIG

@@ -6,9 +6,10 @@ activations (:class:`Activations`, :class:`GateMode`) and the feature arrays a b
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import numbers
-from typing import Any, Final
+from typing import Any, Final, TypedDict
 
 import jax
 import numpy as np
@@ -148,3 +149,104 @@ class OpExtras:
     cu_seqlens: Any = None
     A_log: Any = None
     dt_bias: Any = None
+
+
+class FeatureArgs(TypedDict, total=False):
+    """The keywords of the model features, shared by the ops and their references (fla's names;
+    ``docs/operator.md``, section Model features). Every key is optional; an absent one takes its
+    default in :data:`FEATURE_DEFAULTS`.
+
+    Keys:
+        segment_ids: ``(B, T)`` integers, packed sequences: a sequence starts at token 0 and
+            wherever the id differs from the previous token's; the state is reset to zero at
+            every start except token 0, where ``h0`` enters. Not with ``cu_seqlens``.
+        cu_seqlens: ``(N + 1,)`` integers, fla's variable-length convention (B = 1): sequence
+            ``n`` is tokens ``cu_seqlens[n]:cu_seqlens[n + 1]``, from ``h0[n]`` to
+            ``h_final[n]``.
+        use_qk_l2norm_in_kernel: q and k are divided by ``sqrt(sum over dk of x^2 + 1e-6)``.
+        use_gate_in_kernel: g is raw: ``g = -exp(A_log) * softplus(g + dt_bias)`` per head and
+            channel, or with ``lower_bound``: ``g = lower_bound * sigmoid(exp(A_log) * g)``.
+        A_log: ``(Hg,)``, with ``use_gate_in_kernel``; differentiable.
+        dt_bias: ``(Hg, dk)``, with ``use_gate_in_kernel`` and no ``lower_bound``;
+            differentiable.
+        lower_bound: a float in ``[-5, 0)``: the bounded gate (only with ``use_gate_in_kernel``).
+        use_bw_sigmoid_in_kernel: b and w are raw: ``b = sigmoid(b)``, ``w = sigmoid(w)``.
+        allow_neg_eigval: ``b = 2 * sigmoid(b)`` (erase eigenvalues down to -1); needs
+            ``use_bw_sigmoid_in_kernel``.
+    """
+
+    segment_ids: Any
+    cu_seqlens: Any
+    use_qk_l2norm_in_kernel: bool
+    use_gate_in_kernel: bool
+    A_log: Any
+    dt_bias: Any
+    lower_bound: float | None
+    use_bw_sigmoid_in_kernel: bool
+    allow_neg_eigval: bool
+
+
+#: The default of every key of :class:`FeatureArgs` (a plain call).
+FEATURE_DEFAULTS: Final[dict[str, Any]] = {
+    "segment_ids": None,
+    "cu_seqlens": None,
+    "use_qk_l2norm_in_kernel": False,
+    "use_gate_in_kernel": False,
+    "A_log": None,
+    "dt_bias": None,
+    "lower_bound": None,
+    "use_bw_sigmoid_in_kernel": False,
+    "allow_neg_eigval": False,
+}
+#: The keys that mark packed sequences (the decode op has none: each sequence has its own slot).
+PACKED_ARGS: Final = ("segment_ids", "cu_seqlens")
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """The model features of one call, parsed once from its keywords and passed down: the
+    activations (static) and the feature arrays (:class:`OpExtras`, what a backend receives).
+
+    Attributes:
+        activations: the fused activations.
+        extras: ``segment_ids``, ``cu_seqlens``, ``A_log``, ``dt_bias`` as given (None: absent).
+    """
+
+    activations: Activations = NO_ACTIVATIONS
+    extras: OpExtras = OpExtras()
+
+    @classmethod
+    def parse(cls, kwargs: dict[str, Any], *, op: str, packed: bool = True) -> Features:
+        """The features of a public call's ``**features`` keywords.
+
+        Args:
+            kwargs: the keywords (a subset of :class:`FeatureArgs`).
+            op: the public function's name, for the errors.
+            packed: whether the op takes packed sequences (``segment_ids``, ``cu_seqlens``).
+
+        Returns:
+            The validated features.
+
+        Raises:
+            TypeError: a keyword the op does not take (with the closest known name), or a flag
+                that is not a bool.
+            ValueError: inconsistent activation options (see :meth:`Activations.from_options`).
+        """
+        known = [n for n in FEATURE_DEFAULTS if packed or n not in PACKED_ARGS]
+        for name in kwargs:
+            if name not in known:
+                close = difflib.get_close_matches(name, [*known, *PACKED_ARGS], n=1)
+                hint = f"; did you mean {close[0]!r}?" if close and close[0] in known else ""
+                if name in PACKED_ARGS:
+                    hint = f" ({op} has no packed sequences: each sequence has its own slot)"
+                raise TypeError(f"{op}() got an unexpected keyword argument {name!r}{hint}")
+        args = {**FEATURE_DEFAULTS, **kwargs}
+        activations = Activations.from_options(
+            args["use_qk_l2norm_in_kernel"],
+            args["use_gate_in_kernel"],
+            args["lower_bound"],
+            args["use_bw_sigmoid_in_kernel"],
+            args["allow_neg_eigval"],
+        )
+        extras = OpExtras(args["segment_ids"], args["cu_seqlens"], args["A_log"], args["dt_bias"])
+        return cls(activations, extras)

@@ -218,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{ReferenceBackend.name!r} registers the token-serial reference",
     )
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--config", default=None, help="KernelConfig preset (e.g. KAGGLE_LARGE)")
+    parser.add_argument("--config", default=None, help="KernelConfig preset (e.g. LONG_CHUNKS)")
     parser.add_argument(
         "--shape",
         action="append",

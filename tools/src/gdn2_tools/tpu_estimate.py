@@ -138,12 +138,12 @@ def estimate_main(args, config) -> int:
     return 0 if all(r.trustworthy for r in rows.values()) else 1
 
 
-#: The shapes of the README table: the train shape of the performance target, and a long, wide one.
+#: The shapes of the table in docs/results.md: the train shape of the performance target, and a long, wide one.
 TABLE_SHAPES: Final = {"train": (8, 4096, 6, 128, 128), "long": (1, 32768, 16, 128, 128)}
 
 
 def table_main(argv: Sequence[str]) -> int:
-    """``gdn2 tpu-report --table OUT.md [--json OUT.json]``: the README table (every row a compiler
+    """``gdn2 tpu-report --table OUT.md [--json OUT.json]``: the table of docs/results.md (every row a compiler
     estimate): pallas_tpu and jax_ref, train step and forward, per shape, generation and dtype."""
     import argparse
 

@@ -2,7 +2,7 @@
 target, and the compiled HBM of its forward and train step.
 
 Everything is compile-time analysis (no TPU run). ``--estimate`` adds TPU time from the compiler's
-static cycle estimate (gdn2_tools.tpu_estimate), ``--table`` writes the README's table of them.
+static cycle estimate (gdn2_tools.tpu_estimate), ``--table`` writes the table of them in docs/results.md.
 The per-kernel rows come from the backend's own
 ``gdn2_kernel_costs`` hook (a backend without one reports only the compiled HBM); the roofline
 divides them by the generation's peak numbers; the compiled HBM is ``memory_analysis()`` of a
@@ -64,7 +64,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument(
         "--table",
         metavar="OUT.md",
-        help="write the README table of estimates (train and long shapes, v5e and v6e, bf16 and "
+        help="write the table of estimates of docs/results.md (train and long shapes, v5e and v6e, bf16 and "
         "f32; tens of minutes); see gdn2_tools.tpu_estimate",
     )
     args = p.parse_args(list(argv))
@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gdn2core.ops.forward.spec import OpSpec
     from gdn2core.registry import BackendNotFoundError, get_backend, plugin_hook
     from gdn2core.selection import resolve_backend
-    from gdn2core.verdict import verdict
+    from gdn2core.verdict import judge
 
     config = DEFAULT_CONFIG if args.config == "default" else PRESETS[args.config]
     B, T, H, K, V = args.batch, args.seq_len, args.heads, args.dk, args.dv
@@ -124,9 +124,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"gdn2 tpu-report: {LABEL}")
     print(
         f"backend {name}; shape B={B} T={T} H={H} dk={K} dv={V} {args.dtype}; target {args.tpu} "
-        f"({TOPOLOGIES[args.tpu]}); config bt={config.bt} bc={config.bc} mb={config.mb}"
+        f"({TOPOLOGIES[args.tpu]}); config {config!r}"
     )
-    answer = verdict(backend, spec, config, trainable=True, auto=False, platform="tpu")
+    answer = judge(backend, spec, config, trainable=True, auto=False, platform="tpu")
     if not answer:
         print(f"would not run on a TPU: {answer.reason}")
     peak_flops, bandwidth = PEAKS[args.tpu]

@@ -1,14 +1,41 @@
-"""The jax_ref backend: the chunkwise WY algorithm in pure JAX, the fallback on every platform."""
+"""The jax_ref backend: the chunkwise WY algorithm in pure JAX, the fallback on every platform.
+
+Its config is :class:`~gdn2_jax_ref.config.JaxRefConfig` (the core fields plus the score sub-chunk
+``bc``, the WY micro-block ``wy_block`` and ``clip``), read through ``JaxRefConfig.from_config``: a
+core ``KernelConfig`` gets the blocking derived from ``bt``; another backend's config class is
+refused by ``supports()`` / ``supports_decode()`` with its name.
+"""
 
 from __future__ import annotations
 
 import jax
 
+from gdn2_jax_ref.config import JaxRefConfig
 from gdn2_jax_ref.decode import gdn2_jax_decode
 from gdn2_jax_ref.forward import gdn2_chunk_forward, gdn2_chunk_forward_chunk_states
 from gdn2_jax_ref.params import ChunkParams
 from gdn2_jax_ref.vjp import gdn2_chunk_trainable
-from gdn2core.plugin import Backend, Capabilities, DecodeSpec, KernelConfig, OpExtras, OpSpec
+from gdn2core.plugin import (
+    YES,
+    Backend,
+    Capabilities,
+    DecodeSpec,
+    KernelConfig,
+    OpExtras,
+    OpSpec,
+    Verdict,
+)
+
+
+def _config_verdict(config: KernelConfig) -> Verdict:
+    """Whether ``config`` reads as a :class:`JaxRefConfig` (its class, and a core ``bt`` with a
+    blocking: ``bt == 2 * bc``)."""
+    refusal = JaxRefConfig.refusal(config)
+    if refusal:
+        return Verdict(False, refusal)
+    if config.bt % 2:
+        return Verdict(False, f"bt={config.bt}: jax_ref needs an even bt (bt == 2 * bc)")
+    return YES
 
 
 def _packing(extras: OpExtras | None) -> tuple[jax.Array | None, jax.Array | None]:
@@ -28,6 +55,18 @@ class JaxRefBackend(Backend):
     name = "jax_ref"
     priority = 100
     capabilities = Capabilities(segments=True, varlen=True, decode=True, chunk_states=True)
+
+    def supports(self, spec: OpSpec, config: KernelConfig) -> Verdict:
+        """A core config with an even ``bt``, or a :class:`JaxRefConfig`; not another backend's
+        config class (``config: expected a KernelConfig or JaxRefConfig, got ...``)."""
+        del spec
+        return _config_verdict(config)
+
+    def supports_decode(self, spec: DecodeSpec, config: KernelConfig) -> Verdict:
+        """Decode reads no config, but another backend's config class is refused all the same."""
+        del spec
+        refusal = JaxRefConfig.refusal(config)
+        return Verdict(False, refusal) if refusal else YES
 
     def forward(
         self,

@@ -141,7 +141,7 @@ def chunk_local(
     )
     A_kk = probe("jax_ref A_kk", jnp.tril(A_both[0], -1))  # [..., C, C] strictly lower
     A_qk = probe("jax_ref A_qk", A_both[1])  # [..., C, C] lower incl. diagonal
-    T = probe("jax_ref T", wy_inverse(A_kk, params.mb, params.wy_eps))  # [..., C, C]
+    T = probe("jax_ref T", wy_inverse(A_kk, params.wy_block, params.wy_eps))  # [..., C, C]
     Y = probe("jax_ref Y", einsum("...rs,...sk->...rk", T, E_bar))  # [..., C, K]
     U = probe("jax_ref U", einsum("...rs,...sv->...rv", T, Z))  # [..., C, V]
     return ChunkLocal(

@@ -12,6 +12,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
+from gdn2_jax_ref.config import JaxRefConfig
 from gdn2core.plugin import KernelConfig, OpSpec
 
 #: Every contraction runs at full precision of its operands (the WY solve and the state must be
@@ -26,19 +27,27 @@ class ChunkParams:
     scale: float
     bt: int  # chunk length C
     bc: int  # score sub-chunk c (diagonal c x c blocks pairwise)
-    mb: int  # WY solver micro-block
+    wy_block: int  # WY solver micro-block (mb in docs/algorithm.md)
     wy_eps: float  # T = ((1 + wy_eps) I + A_kk)^-1
     clip: float  # guard on reference-split exponents (never binds for g <= 0)
     acc: str  # accumulation dtype: "float32", or "float64" for float64 inputs
 
     @classmethod
     def from_spec(cls, spec: OpSpec, config: KernelConfig) -> ChunkParams:
+        """The parameters of a call of ``spec`` under ``config``, read as a
+        :class:`~gdn2_jax_ref.config.JaxRefConfig` (a core config gets the derived blocking).
+
+        Raises:
+            TypeError: ``config`` is another backend's config class.
+            pydantic.ValidationError: a core config's ``bt`` has no jax_ref blocking (odd).
+        """
+        config = JaxRefConfig.from_config(config)
         acc = "float64" if spec.dtype == "float64" else "float32"
         return cls(
             scale=float(spec.scale),
             bt=int(config.bt),
             bc=int(config.bc),
-            mb=int(config.mb),
+            wy_block=int(config.wy_block),
             wy_eps=float(config.wy_eps),
             clip=float(config.clip),
             acc=acc,

@@ -35,6 +35,7 @@ from jax import lax
 from jaxtyping import Array, Bool, Int
 
 from gdn2_jax_ref.chunk import Blocking
+from gdn2core.plugin import segment_starts
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["seg", "entry"], meta_fields=[])
@@ -74,10 +75,7 @@ def same_segment(sr: Int[Array, "... r 1"], ss: Int[Array, "... s 1"]) -> Bool[A
 
 def segment_numbers(segment_ids: Int[Array, "B T"]) -> Int[Array, "B T"]:
     """The number of starts up to and including each token (0 for the row's first sequence)."""
-    starts = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)  # [B, T-1]
-    return jnp.concatenate(
-        [jnp.zeros_like(starts[:, :1]), jnp.cumsum(starts, axis=1, dtype=jnp.int32)], axis=1
-    )  # [B, T]
+    return jnp.cumsum(segment_starts(segment_ids), axis=1, dtype=jnp.int32) - 1  # [B, T]
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["seg", "entry"], meta_fields=[])

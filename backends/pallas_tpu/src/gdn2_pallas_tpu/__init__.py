@@ -5,6 +5,7 @@ Modules (per job, as in tokamax):
 - ``plugin.py``: the entry point: the ``gdn2_backend`` and ``gdn2_kernel_costs`` hooks.
 - ``backend.py``: ``PallasTpuBackend`` (name "pallas_tpu", priority 200): capabilities,
   supports(), platform guard.
+- ``config.py``: ``PallasTpuConfig``, the backend's own config class (the core fields only).
 - ``plan.py``: ``Plan``, the static description of one call: blocking (heads and chunks per grid
   step), the MXU precision of each group of products, the VMEM byte model.
 - ``matmul.py``: products at an explicit MXU precision (bf16, bf16x3, f32).
@@ -17,3 +18,7 @@ Modules (per job, as in tokamax):
 - ``vjp.py``: the ``jax.custom_vjp``, its ``Residuals`` dataclass, vmap folding, platform guard.
 - ``report.py``: the kernels as report rows (``gdn2 tpu-report`` of gdn2-tools).
 """
+
+from gdn2_pallas_tpu.config import PallasTpuConfig
+
+__all__ = ["PallasTpuConfig"]

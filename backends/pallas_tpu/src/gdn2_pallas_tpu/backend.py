@@ -12,14 +12,18 @@
 - ``decode``: the decode kernel (kernels_decode.py) for S up to 128 tokens per call, a float32 or
   bfloat16 pool (``supports_decode``: decode_plan.py). No chunk states yet
   (``return_chunk_states`` is refused: ``Capabilities.chunk_states`` is False).
-- ``config.bc``, ``config.mb`` and ``config.clip`` are not read: the level scheme has no
-  sub-chunks and never forms a positive exponent (chunk_math.py).
+- Config: :class:`~gdn2_pallas_tpu.config.PallasTpuConfig`, the core fields only (``bt``,
+  ``wy_eps``, ``interpret``): the level scheme has no sub-chunks and never forms a positive
+  exponent (chunk_math.py). The plans read it through ``PallasTpuConfig.from_config``; another
+  backend's config class (e.g. a ``JaxRefConfig``) is refused by ``supports()`` and
+  ``supports_decode()``: ``config: expected a KernelConfig or PallasTpuConfig, got JaxRefConfig``.
 """
 
 from __future__ import annotations
 
 import jax
 
+from gdn2_pallas_tpu.config import PallasTpuConfig
 from gdn2_pallas_tpu.decode_plan import check_decode_plan, make_decode_plan
 from gdn2_pallas_tpu.plan import (
     SUPPORTED_DTYPES,
@@ -73,7 +77,7 @@ class PallasTpuBackend(Backend):
     )
 
     def supports(self, spec: OpSpec, config: KernelConfig) -> Verdict:
-        """A chunk length of the level scheme, and a VMEM fit."""
+        """A config this backend reads, a chunk length of the level scheme, and a VMEM fit."""
         reason = check_plan(spec, config)
         return Verdict(False, reason) if reason else YES
 
@@ -90,6 +94,7 @@ class PallasTpuBackend(Backend):
         return self._call(q, k, v, w, b, g, h0, spec, config, extras, trainable=True)
 
     def _call(self, q, k, v, w, b, g, h0, spec, config, extras, trainable):
+        config = PallasTpuConfig.from_config(config)
         _check_platform(q, config)
         from gdn2_pallas_tpu import vjp
 
@@ -117,7 +122,8 @@ class PallasTpuBackend(Backend):
         return probe("pallas_tpu o", o), probe("pallas_tpu h_final", h_final)
 
     def supports_decode(self, spec: DecodeSpec, config: KernelConfig) -> Verdict:
-        """Head sizes, dtypes, S and the VMEM fit of the decode kernel (decode_plan.py)."""
+        """A config this backend reads, head sizes, dtypes, S and the VMEM fit of the decode
+        kernel (decode_plan.py)."""
         reason = check_decode_plan(spec, config)
         return Verdict(False, reason) if reason else YES
 
@@ -125,6 +131,7 @@ class PallasTpuBackend(Backend):
         self, q, k, v, w, b, g, state, slots, *, spec: DecodeSpec, config: KernelConfig
     ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """The decode kernel, in place on the pool (see :meth:`gdn2core.plugin.Backend.decode`)."""
+        config = PallasTpuConfig.from_config(config)
         _check_platform(q, config)
         from gdn2_pallas_tpu.decode_op import gdn2_pallas_decode
 

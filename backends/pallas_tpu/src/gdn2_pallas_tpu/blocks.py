@@ -74,19 +74,16 @@ def _residual_index(batch, head_group, step, *, step_of: Callable):
 
 
 class TokenIO:
-    """The token tiles of one kernel: BlockSpecs, arguments, loads and stores, for ``plan``'s
+    """The token tiles of one kernel: BlockSpecs, output staging, loads and stores, for ``plan``'s
     layout. ``step_of`` maps the grid's step index to the step of the sequence."""
 
     def __init__(self, plan: Plan, step_of: Callable):
         self.plan, self.step_of = plan, step_of
         self.head_major = plan.layout is Layout.HEAD_MAJOR
 
-    @property
-    def refs_per_array(self) -> int:
-        """Kernel refs per token array: one per head (HEAD_MAJOR) or one block (TOKEN_MAJOR)."""
-        return self.plan.hb if self.head_major else 1
-
     def in_specs(self, d: int) -> list[pl.BlockSpec]:
+        """One BlockSpec per head (HEAD_MAJOR) or one block (TOKEN_MAJOR), all reading the same
+        array (refs.py passes it once per spec)."""
         plan = self.plan
         if self.head_major:
             return [
@@ -99,22 +96,22 @@ class TokenIO:
         index = functools.partial(_token_block_index, step_of=self.step_of)
         return [pl.BlockSpec((None, plan.step_len, plan.hb, d), index)]
 
-    def args(self, x: jax.Array) -> list[jax.Array]:
-        """The arguments matching :meth:`in_specs` (one array, once per ref)."""
-        return [x] * self.refs_per_array
-
     def out_spec(self, d: int) -> pl.BlockSpec:
         if self.head_major:
             return pl.BlockSpec(memory_space=pl.ANY)  # written by manual DMAs
         return self.in_specs(d)[0]
 
-    def out_scratch(self, dims: Sequence[int], dtype) -> list:
-        """VMEM staging and DMA semaphores for outputs of these widths (HEAD_MAJOR only)."""
+    def out_stage(self, d: int, dtype):
+        """VMEM staging of an output of width ``d`` for its DMAs (HEAD_MAJOR), else None."""
         if not self.head_major:
-            return []
-        plan = self.plan
-        stages = [pltpu.VMEM((plan.hb, plan.step_len, d), dtype) for d in dims]
-        return [*stages, pltpu.SemaphoreType.DMA((len(dims), plan.hb))]
+            return None
+        return pltpu.VMEM((self.plan.hb, self.plan.step_len, d), dtype)
+
+    def out_sems(self, n_outputs: int):
+        """DMA semaphores ``(n_outputs, hb)`` of the staged outputs (HEAD_MAJOR), else None."""
+        if not self.head_major:
+            return None
+        return pltpu.SemaphoreType.DMA((n_outputs, self.plan.hb))
 
     def load(self, refs: Sequence, d: int) -> jax.Array:
         """The step's tiles as float32 units ``[U, C, d]``."""

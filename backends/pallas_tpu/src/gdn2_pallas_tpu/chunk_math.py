@@ -34,14 +34,13 @@ from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 from gdn2_pallas_tpu.matmul import MatmulPrecision, mm, mm_nt, mm_tn
+from gdn2_pallas_tpu.plan import NUM_SUBLANES  # rows of a float32 vector register
 
 F32 = jnp.float32
 #: A float32 zero for ``jnp.where``: a Python 0.0 would be a float64 constant inside the kernel
 #: under ``jax_enable_x64``, which Mosaic cannot lower.
 ZERO: Final = np.float32(0.0)
 NEG_INF: Final = np.float32(-np.inf)
-#: Rows of one float32 vector register (a sublane tile).
-NUM_SUBLANES: Final = 8
 #: Log decays below this are raised to it. ``exp`` of anything below about -103.3 is exactly 0 in
 #: float32, so a per-token decay of ``exp(G_FLOOR)`` forgets the state exactly as ``exp(-inf)``
 #: does, while every cumulative sum stays finite (``-inf - (-inf)`` would be NaN). Its gradient is

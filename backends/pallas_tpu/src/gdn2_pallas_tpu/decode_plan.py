@@ -29,6 +29,7 @@ from typing import Final
 
 import jax.numpy as jnp
 
+from gdn2_pallas_tpu.config import PallasTpuConfig
 from gdn2_pallas_tpu.plan import (
     DEFAULT_VMEM_CAPACITY,
     F32_BYTES,
@@ -143,7 +144,12 @@ def vmem_limit(plan_bytes: int, capacity: int) -> int:
 def make_decode_plan(
     spec: DecodeSpec, config: KernelConfig, vmem_capacity: int | None = None
 ) -> DecodePlan:
-    """The plan of one call (module docstring)."""
+    """The plan of one call (module docstring).
+
+    Raises:
+        TypeError: ``config`` is another backend's config class (:class:`PallasTpuConfig`).
+    """
+    config = PallasTpuConfig.from_config(config)
     capacity = vmem_capacity_bytes() if vmem_capacity is None else vmem_capacity
     plan = DecodePlan(
         n_seqs=spec.n_seqs,
@@ -166,6 +172,9 @@ def make_decode_plan(
 
 def check_decode_plan(spec: DecodeSpec, config: KernelConfig) -> str | None:
     """``None`` when the decode kernel can run this call, else the reason."""
+    refusal = PallasTpuConfig.refusal(config)
+    if refusal:
+        return refusal
     if spec.dtype not in SUPPORTED_DTYPES:
         return f"dtype {spec.dtype} not in {SUPPORTED_DTYPES}"
     if spec.dk not in SUPPORTED_HEAD_SIZES or spec.dv not in SUPPORTED_HEAD_SIZES:

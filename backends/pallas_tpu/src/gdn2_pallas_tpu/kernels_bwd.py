@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gdn2_pallas_tpu import activations as act
-from gdn2_pallas_tpu import blocks, varlen
+from gdn2_pallas_tpu import blocks, refs, varlen
 from gdn2_pallas_tpu import chunk_math as cm
 from gdn2_pallas_tpu.cost import cost_backward
 from gdn2_pallas_tpu.matmul import MatmulPrecision, mm, mm_nt, mm_tn
@@ -37,7 +37,7 @@ GRAD_NAMES = ("dq", "dk", "dv", "dw", "db", "dg")
 
 @dataclasses.dataclass(frozen=True)
 class BackwardRefs:
-    """The kernel's refs by role."""
+    """The kernel's refs by name, as :func:`backward_call`'s table (refs.py) lists them."""
 
     q: tuple  # the step's tiles (blocks.TokenIO): hb x [nc C, K], or one [nc C, hb, K]
     k: tuple
@@ -63,33 +63,12 @@ class BackwardRefs:
     seq_buf: object | None  # [hb, K, V] f32 staging of per-sequence states (plan.varlen)
     seq_tmp: object | None  # [hb, K, V] f32 a state that a DMA may replace (plan.varlen)
     seq_sem: object | None  # its DMA semaphore
-    stages: tuple  # 6 x [hb, nc C, d] gradient staging for the DMAs (HEAD_MAJOR), else Nones
+    stages: tuple | None  # 6 x [hb, nc C, d] gradient staging for the DMAs (HEAD_MAJOR)
     sems: object | None  # DMA semaphores (6, hb) (HEAD_MAJOR)
 
-    @classmethod
-    def unpack(cls, refs, io: blocks.TokenIO) -> BackwardRefs:
-        plan, n = io.plan, io.refs_per_array
-        tiles = [tuple(refs[i * n : (i + 1) * n]) for i in range(7)]
-        rest = list(refs[7 * n :])
-        take = lambda on: rest.pop(0) if on else None  # noqa: E731
-        starts, gate_params = take(plan.segments), take(plan.gate)
-        table, seq_h0, seq_dh_final = take(plan.varlen), take(plan.varlen), take(plan.varlen)
-        TA, state_in, dh_final = rest.pop(0), rest.pop(0), rest.pop(0)
-        grads = tuple(rest.pop(0) for _ in range(6))
-        dh0 = rest.pop(0)
-        d_gate, seq_dh0 = take(plan.gate), take(plan.varlen)
-        dS = rest.pop(0)
-        seq_buf, seq_tmp, seq_sem = take(plan.varlen), take(plan.varlen), take(plan.varlen)
-        stages, sems = (tuple(rest[:6]), rest[6]) if rest else ((None,) * 6, None)
-        return cls(
-            *tiles, starts, gate_params, table, seq_h0, seq_dh_final, TA, state_in, dh_final,
-            grads, dh0, d_gate, seq_dh0, dS, seq_buf, seq_tmp, seq_sem, stages, sems,
-        )  # fmt: skip
 
-
-def _backward_kernel(*refs, plan: Plan):
+def _backward_kernel(r: BackwardRefs, *, plan: Plan):
     io = blocks.TokenIO(plan, blocks.reverse_step(plan.n_steps))
-    r = BackwardRefs.unpack(refs, io)
     batch, head_group, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     n_steps = pl.num_programs(2)
     step = n_steps - 1 - i
@@ -211,7 +190,8 @@ def _backward_kernel(*refs, plan: Plan):
             r.d_gate[...] = blocks.per_head_sums(partial, plan)  # [hb, 2, K]
     grads = (dq, dk, dv, dw, db, dg)
     copies = []
-    for m, (x, out, stage) in enumerate(zip(grads, r.grads, r.stages, strict=True)):
+    stages = r.stages or (None,) * len(grads)
+    for m, (x, out, stage) in enumerate(zip(grads, r.grads, stages, strict=True)):
         sems = None if r.sems is None else r.sems.at[jnp.int32(m)]
         copies += io.store(x, out, stage, sems, batch, head_group, step)
     for copy in copies:
@@ -230,37 +210,60 @@ def backward_call(
     io = blocks.TokenIO(plan, step_of)
     keys, vals = io.in_specs(K), io.in_specs(V)
     state = blocks.state_spec(plan)
-    in_specs = [
-        *keys, *keys, *vals, *vals, *keys, *keys, *vals,  # q k v w b g dO
-        *([blocks.starts_spec(plan, step_of)] if plan.segments else []),
-        *([blocks.gate_params_spec(plan)] if plan.gate else []),
-        *([pl.BlockSpec(memory_space=pltpu.SMEM), blocks.hbm_any(), blocks.hbm_any()] if plan.varlen else []),
-        blocks.residual_spec(plan, plan.residual_block, step_of),  # T^T | A_qk
-        blocks.residual_spec(plan, (hb, K, V), step_of),  # step entry states
-        state,  # dh_final
-    ]  # fmt: skip
+    on = lambda flag, x: x if flag else None  # noqa: E731  (None: absent)
     dims = (K, K, V, V, K, K)
-    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, w, b, g)]
-    out_shape.append(jax.ShapeDtypeStruct((B, H, K, V), F32))  # dh0
-    out_specs = [io.out_spec(d) for d in dims] + [state]
-    if plan.gate:  # per-step partial sums of dA_log and d dt_bias
-        out_shape.append(jax.ShapeDtypeStruct((B, plan.head_groups, plan.n_steps, hb, 2, K), F32))
-        out_specs.append(blocks.residual_spec(plan, (hb, 2, K), step_of))
-    if plan.varlen:  # per-sequence dh0, written by DMAs
-        out_shape.append(jax.ShapeDtypeStruct(seq_h0.shape, F32))
-        out_specs.append(blocks.hbm_any())
-    scratch = [pltpu.VMEM((hb, K, V), F32)]  # dS
-    if plan.varlen:  # staging and a replaceable state for the per-sequence DMAs
-        scratch += [pltpu.VMEM((hb, K, V), F32)] * 2 + [pltpu.SemaphoreType.DMA(())]
-    scratch += io.out_scratch(dims, q.dtype)  # gradient staging
-    args = [a for x in (q, k, v, w, b, g, dO) for a in io.args(x)]
+    res = (B, plan.head_groups, plan.n_steps)  # residuals: one block per grid step
+    packed = blocks.residual_spec(plan, plan.residual_block, step_of)  # T^T | A_qk
+    entry = blocks.residual_spec(plan, (hb, K, V), step_of)  # step entry states
+    kernel_refs = refs.Table(
+        refs.Input("q", keys, q),
+        refs.Input("k", keys, k),
+        refs.Input("v", vals, v),
+        refs.Input("w", vals, w),
+        refs.Input("b", keys, b),
+        refs.Input("g", keys, g),
+        refs.Input("dO", vals, dO),
+        refs.Input("starts", blocks.starts_spec(plan, step_of), on(plan.segments, starts)),
+        refs.Input("gate_params", blocks.gate_params_spec(plan), on(plan.gate, gate_params)),
+        refs.Input("table", pl.BlockSpec(memory_space=pltpu.SMEM), on(plan.varlen, table)),
+        refs.Input("seq_h0", blocks.hbm_any(), on(plan.varlen, seq_h0)),
+        refs.Input("seq_dh_final", blocks.hbm_any(), on(plan.varlen, seq_dh_final)),
+        refs.Input("TA", packed, TA),
+        refs.Input("state_in", entry, states),
+        refs.Input("dh_final", state, dh_final),
+        refs.Output(  # dq, dk, dv, dw, db, dg in the inputs' kernel layout
+            "grads",
+            [io.out_spec(d) for d in dims],
+            [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, w, b, g)],
+        ),
+        refs.Output("dh0", state, jax.ShapeDtypeStruct((B, H, K, V), F32)),
+        refs.Output(  # per-step partial sums of dA_log and d dt_bias
+            "d_gate",
+            blocks.residual_spec(plan, (hb, 2, K), step_of),
+            on(plan.gate, jax.ShapeDtypeStruct((*res, hb, 2, K), F32)),
+        ),
+        refs.Output(  # per-sequence dh0, written by DMAs
+            "seq_dh0",
+            blocks.hbm_any(),
+            jax.ShapeDtypeStruct(seq_h0.shape, F32) if plan.varlen else None,
+        ),
+        refs.Scratch("dS", pltpu.VMEM((hb, K, V), F32)),
+        # staging and a replaceable state for the per-sequence DMAs
+        refs.Scratch("seq_buf", on(plan.varlen, pltpu.VMEM((hb, K, V), F32))),
+        refs.Scratch("seq_tmp", on(plan.varlen, pltpu.VMEM((hb, K, V), F32))),
+        refs.Scratch("seq_sem", on(plan.varlen, pltpu.SemaphoreType.DMA(()))),
+        refs.Scratch(  # gradient staging
+            "stages", [io.out_stage(d, q.dtype) for d in dims] if io.head_major else None
+        ),
+        refs.Scratch("sems", io.out_sems(len(dims))),
+    )
     return pl.pallas_call(
-        functools.partial(_backward_kernel, plan=plan),
-        out_shape=out_shape,
+        kernel_refs.kernel(functools.partial(_backward_kernel, plan=plan), BackwardRefs),
+        out_shape=kernel_refs.out_shape,
         grid=plan.grid(),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        scratch_shapes=scratch,
+        in_specs=kernel_refs.in_specs,
+        out_specs=kernel_refs.out_specs,
+        scratch_shapes=kernel_refs.scratch_shapes,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=plan.vmem_limit_bytes,
@@ -268,10 +271,4 @@ def backward_call(
         cost_estimate=pl.CostEstimate(**cost_backward(plan)),
         interpret=blocks.interpret_params(plan),
         name="gdn2_bwd",
-    )(
-        *args,
-        *([starts] if plan.segments else []),
-        *([gate_params] if plan.gate else []),
-        *([table, seq_h0, seq_dh_final] if plan.varlen else []),
-        TA, states, dh_final,
-    )  # fmt: skip
+    )(*kernel_refs.operands)

@@ -43,6 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from gdn2_pallas_tpu import refs
 from gdn2_pallas_tpu.blocks import I0, interpret_params
 from gdn2_pallas_tpu.decode_plan import DecodePlan, cost_decode
 from gdn2_pallas_tpu.matmul import MatmulPrecision, mm
@@ -55,7 +56,7 @@ NAN = np.float32(np.nan)
 
 @dataclasses.dataclass(frozen=True)
 class DecodeRefs:
-    """The kernel's refs by role."""
+    """The kernel's refs by name, as :func:`decode_call`'s table (refs.py) lists them."""
 
     slots: object  # [N] int32, SMEM: each sequence's slot, -1: skip
     blocks: object  # [N] int32, SMEM: the slot whose block each step maps
@@ -71,13 +72,6 @@ class DecodeRefs:
     token_states: object | None  # [S, hb, K, V] pool dtype
     # Scratch.
     work: object | None  # [hb, K, V] f32: the state across tokens (bfloat16 pool, S > 1)
-
-    @classmethod
-    def unpack(cls, refs, plan: DecodePlan) -> DecodeRefs:
-        slots, blocks, q, k, v, w, b, g, state_in, o, state_out, *rest = refs
-        token_states = rest.pop(0) if plan.token_states else None
-        work = rest.pop(0) if plan.staged_f32 else None
-        return cls(slots, blocks, q, k, v, w, b, g, state_in, o, state_out, token_states, work)
 
 
 def _token_index(head_block, seq, slots_ref, blocks_ref):
@@ -95,8 +89,7 @@ def _token_state_index(head_block, seq, slots_ref, blocks_ref):
     return (seq, I0, head_block, I0, I0)
 
 
-def _decode_kernel(*refs, plan: DecodePlan):
-    r = DecodeRefs.unpack(refs, plan)
+def _decode_kernel(r: DecodeRefs, *, plan: DecodePlan):
     seq = pl.program_id(1)
     valid = r.slots[seq] >= 0
 
@@ -169,27 +162,39 @@ def decode_call(q, k, v, w, b, g, state, slots, blocks, *, plan: DecodePlan):
     keys = pl.BlockSpec((None, S, hb, K), _token_index)
     vals = pl.BlockSpec((None, S, hb, V), _token_index)
     pool = pl.BlockSpec((None, hb, K, V), _state_index)
-    out_shape = [
-        jax.ShapeDtypeStruct((plan.n_seqs, S, plan.heads, V), v.dtype),  # o
-        jax.ShapeDtypeStruct(state.shape, state.dtype),  # the pool (aliased)
-    ]
-    out_specs = [vals, pool]
-    if plan.token_states:
-        out_shape.append(jax.ShapeDtypeStruct((plan.n_seqs, S, plan.heads, K, V), state.dtype))
-        out_specs.append(pl.BlockSpec((None, S, hb, K, V), _token_state_index))
-    scratch = [pltpu.VMEM((hb, K, V), F32)] if plan.staged_f32 else []
+    token_states = jax.ShapeDtypeStruct((plan.n_seqs, S, plan.heads, K, V), state.dtype)
+    kernel_refs = refs.Table(
+        refs.Prefetch("slots", slots),
+        refs.Prefetch("blocks", blocks),
+        refs.Input("q", keys, q),
+        refs.Input("k", keys, k),
+        refs.Input("v", vals, v),
+        refs.Input("w", vals, w),
+        refs.Input("b", keys, b),
+        refs.Input("g", keys, g),
+        refs.Input("state_in", pool, state),
+        refs.Output("o", vals, jax.ShapeDtypeStruct((plan.n_seqs, S, plan.heads, V), v.dtype)),
+        refs.Output("state_out", pool, jax.ShapeDtypeStruct(state.shape, state.dtype)),  # aliased
+        refs.Output(
+            "token_states",
+            pl.BlockSpec((None, S, hb, K, V), _token_state_index),
+            token_states if plan.token_states else None,
+        ),
+        refs.Scratch("work", pltpu.VMEM((hb, K, V), F32) if plan.staged_f32 else None),
+        aliases={"state_in": "state_out"},  # the pool, in place
+    )
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=kernel_refs.num_scalar_prefetch,
         grid=plan.grid(),
-        in_specs=[keys, keys, vals, vals, keys, keys, pool],
-        out_specs=out_specs,
-        scratch_shapes=scratch,
+        in_specs=kernel_refs.in_specs,
+        out_specs=kernel_refs.out_specs,
+        scratch_shapes=kernel_refs.scratch_shapes,
     )
     return pl.pallas_call(
-        functools.partial(_decode_kernel, plan=plan),
-        out_shape=out_shape,
+        kernel_refs.kernel(functools.partial(_decode_kernel, plan=plan), DecodeRefs),
+        out_shape=kernel_refs.out_shape,
         grid_spec=grid_spec,
-        input_output_aliases={8: 1},  # (slots, blocks, q, k, v, w, b, g, pool) -> pool
+        input_output_aliases=kernel_refs.input_output_aliases,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),
             vmem_limit_bytes=plan.vmem_limit_bytes,
@@ -197,4 +202,4 @@ def decode_call(q, k, v, w, b, g, state, slots, blocks, *, plan: DecodePlan):
         cost_estimate=pl.CostEstimate(**cost_decode(plan)),
         interpret=interpret_params(plan),
         name="gdn2_decode",
-    )(slots, blocks, q, k, v, w, b, g, state)
+    )(*kernel_refs.operands)

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gdn2_pallas_tpu import activations as act
-from gdn2_pallas_tpu import blocks, varlen
+from gdn2_pallas_tpu import blocks, refs, varlen
 from gdn2_pallas_tpu import chunk_math as cm
 from gdn2_pallas_tpu.cost import cost_forward
 from gdn2_pallas_tpu.matmul import mm, mm_tn
@@ -29,7 +29,7 @@ F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class ForwardRefs:
-    """The kernel's refs by role (each token input: one ``(nc C, d)`` ref per head)."""
+    """The kernel's refs by name, as :func:`forward_call`'s table (refs.py) lists them."""
 
     q: tuple  # the step's tiles (blocks.TokenIO): hb x [nc C, K], or one [nc C, hb, K]
     k: tuple
@@ -54,25 +54,6 @@ class ForwardRefs:
     o_stage: object | None  # [hb, nc C, V] output staging for the DMAs (HEAD_MAJOR)
     o_sems: object | None  # DMA semaphores (1, hb) (HEAD_MAJOR)
 
-    @classmethod
-    def unpack(cls, refs, io: blocks.TokenIO, save: bool) -> ForwardRefs:
-        plan, n = io.plan, io.refs_per_array
-        tiles = [tuple(refs[i * n : (i + 1) * n]) for i in range(6)]
-        rest = list(refs[6 * n :])
-        take = lambda on: rest.pop(0) if on else None  # noqa: E731
-        starts, gate_params = take(plan.segments), take(plan.gate)
-        table, seq_h0 = take(plan.varlen), take(plan.varlen)
-        h0, o, h_final = rest.pop(0), rest.pop(0), rest.pop(0)
-        seq_h_final = take(plan.varlen)
-        TA_out, state_out = take(save), take(save)
-        S = rest.pop(0)
-        seq_buf, seq_sem = take(plan.varlen), take(plan.varlen)
-        o_stage, o_sems = (rest[0], rest[1]) if rest else (None, None)
-        return cls(
-            *tiles, starts, gate_params, table, seq_h0, h0, o, h_final, seq_h_final, TA_out,
-            state_out, S, seq_buf, seq_sem, o_stage, o_sems,
-        )  # fmt: skip
-
 
 def pack_residual(T: jax.Array, A_qk: jax.Array) -> jax.Array:
     """One [U, C, C] matrix for both: ``A_qk`` (lower, diagonal included) and the strictly upper
@@ -83,9 +64,8 @@ def pack_residual(T: jax.Array, A_qk: jax.Array) -> jax.Array:
     return jnp.where(upper, jnp.swapaxes(T, 1, 2), A_qk)
 
 
-def _forward_kernel(*refs, plan: Plan, save: bool):
+def _forward_kernel(r: ForwardRefs, *, plan: Plan, save: bool):
     io = blocks.TokenIO(plan, blocks.forward_step)
-    r = ForwardRefs.unpack(refs, io, save)
     batch, head_group, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     K, V, p = plan.dk, plan.dv, plan.precisions
 
@@ -162,43 +142,49 @@ def forward_call(
     io = blocks.TokenIO(plan, step_of)
     keys, vals = io.in_specs(K), io.in_specs(V)
     state = blocks.state_spec(plan)
-    seg_specs = [blocks.starts_spec(plan, step_of)] if plan.segments else []
-    seg_args = [starts] if plan.segments else []
-    if plan.gate:
-        seg_specs.append(blocks.gate_params_spec(plan))
-        seg_args.append(gate_params)
-    if plan.varlen:
-        seg_specs += [pl.BlockSpec(memory_space=pltpu.SMEM), blocks.hbm_any()]
-        seg_args += [table, seq_h0]
-    out_shape = [
-        jax.ShapeDtypeStruct(v.shape, v.dtype),  # o, in v's kernel layout
-        jax.ShapeDtypeStruct((B, H, K, V), F32),  # h_final
-    ]
-    out_specs = [io.out_spec(V), state]
-    if plan.varlen:  # per-sequence final states, written by DMAs
-        out_shape.append(jax.ShapeDtypeStruct(seq_h0.shape, F32))
-        out_specs.append(blocks.hbm_any())
-    if save:
-        res = (B, plan.head_groups, plan.n_steps)
-        out_shape += [
-            jax.ShapeDtypeStruct((*res, *plan.residual_block), plan.residual_dtype),  # T^T | A_qk
-            jax.ShapeDtypeStruct((*res, hb, K, V), F32),  # step entry states
-        ]
-        out_specs += [
-            blocks.residual_spec(plan, plan.residual_block, step_of),
-            blocks.residual_spec(plan, (hb, K, V), step_of),
-        ]
-    scratch = [pltpu.VMEM((hb, K, V), F32)]  # S
-    if plan.varlen:
-        scratch += [pltpu.VMEM((hb, K, V), F32), pltpu.SemaphoreType.DMA(())]
-    scratch += io.out_scratch([V], v.dtype)  # o staging
+    on = lambda flag, x: x if flag else None  # noqa: E731  (None: absent)
+    res = (B, plan.head_groups, plan.n_steps)  # residuals: one block per grid step
+    packed = blocks.residual_spec(plan, plan.residual_block, step_of)  # T^T | A_qk
+    entry = blocks.residual_spec(plan, (hb, K, V), step_of)  # step entry states
+    kernel_refs = refs.Table(
+        refs.Input("q", keys, q),
+        refs.Input("k", keys, k),
+        refs.Input("v", vals, v),
+        refs.Input("w", vals, w),
+        refs.Input("b", keys, b),
+        refs.Input("g", keys, g),
+        refs.Input("starts", blocks.starts_spec(plan, step_of), on(plan.segments, starts)),
+        refs.Input("gate_params", blocks.gate_params_spec(plan), on(plan.gate, gate_params)),
+        refs.Input("table", pl.BlockSpec(memory_space=pltpu.SMEM), on(plan.varlen, table)),
+        refs.Input("seq_h0", blocks.hbm_any(), on(plan.varlen, seq_h0)),
+        refs.Input("h0", state, h0),
+        # o, in v's kernel layout
+        refs.Output("o", io.out_spec(V), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        refs.Output("h_final", state, jax.ShapeDtypeStruct((B, H, K, V), F32)),
+        refs.Output(  # per-sequence final states, written by DMAs
+            "seq_h_final",
+            blocks.hbm_any(),
+            jax.ShapeDtypeStruct(seq_h0.shape, F32) if plan.varlen else None,
+        ),
+        refs.Output(
+            "TA_out",
+            packed,
+            on(save, jax.ShapeDtypeStruct((*res, *plan.residual_block), plan.residual_dtype)),
+        ),
+        refs.Output("state_out", entry, on(save, jax.ShapeDtypeStruct((*res, hb, K, V), F32))),
+        refs.Scratch("S", pltpu.VMEM((hb, K, V), F32)),
+        refs.Scratch("seq_buf", on(plan.varlen, pltpu.VMEM((hb, K, V), F32))),
+        refs.Scratch("seq_sem", on(plan.varlen, pltpu.SemaphoreType.DMA(()))),
+        refs.Scratch("o_stage", io.out_stage(V, v.dtype)),  # o staging
+        refs.Scratch("o_sems", io.out_sems(1)),
+    )
     return pl.pallas_call(
-        functools.partial(_forward_kernel, plan=plan, save=save),
-        out_shape=out_shape,
+        kernel_refs.kernel(functools.partial(_forward_kernel, plan=plan, save=save), ForwardRefs),
+        out_shape=kernel_refs.out_shape,
         grid=plan.grid(),
-        in_specs=[*keys, *keys, *vals, *vals, *keys, *keys, *seg_specs, state],
-        out_specs=out_specs,
-        scratch_shapes=scratch,
+        in_specs=kernel_refs.in_specs,
+        out_specs=kernel_refs.out_specs,
+        scratch_shapes=kernel_refs.scratch_shapes,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=plan.vmem_limit_bytes,
@@ -206,4 +192,4 @@ def forward_call(
         cost_estimate=pl.CostEstimate(**cost_forward(plan, save)),
         interpret=blocks.interpret_params(plan),
         name="gdn2_fwd_train" if save else "gdn2_fwd",
-    )(*io.args(q), *io.args(k), *io.args(v), *io.args(w), *io.args(b), *io.args(g), *seg_args, h0)
+    )(*kernel_refs.operands)

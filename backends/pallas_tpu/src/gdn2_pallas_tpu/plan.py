@@ -32,6 +32,7 @@ from typing import Final
 import jax
 import jax.numpy as jnp
 
+from gdn2_pallas_tpu.config import PallasTpuConfig
 from gdn2_pallas_tpu.matmul import MatmulPrecision
 from gdn2core.plugin import L2NORM_EPS, KernelConfig, OpSpec
 
@@ -260,7 +261,12 @@ def make_plan(
     segments: bool = False,
     activations: object = None,
 ) -> Plan:
-    """The plan of one call (see the module docstring for the choices)."""
+    """The plan of one call (see the module docstring for the choices).
+
+    Raises:
+        TypeError: ``config`` is another backend's config class (:class:`PallasTpuConfig`).
+    """
+    config = PallasTpuConfig.from_config(config)
     capacity = vmem_capacity_bytes() if vmem_capacity is None else vmem_capacity
     precs = precisions_for(spec.dtype) if precisions is None else precisions
     budget = int(VMEM_PLAN_SHARE * capacity)
@@ -305,7 +311,12 @@ def make_plan(
 
 
 def check_plan(spec: OpSpec, config: KernelConfig) -> str | None:
-    """``None`` when the kernels can run this call, else the reason."""
+    """``None`` when the kernels can run this call, else the reason (the first: a config class
+    this backend does not read, a chunk length the level scheme does not take, no VMEM fit)."""
+    refusal = PallasTpuConfig.refusal(config)
+    if refusal:
+        return refusal
+    config = PallasTpuConfig.from_config(config)
     if config.bt not in SUPPORTED_CHUNKS:
         return f"bt={config.bt} is not one of {SUPPORTED_CHUNKS} (powers of two, sublane aligned)"
     plan = make_plan(spec, config)

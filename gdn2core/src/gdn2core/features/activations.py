@@ -23,35 +23,6 @@ import jax.numpy as jnp
 
 from gdn2core.options import L2NORM_EPS, Activations, GateMode
 
-#: The keyword arguments of the fused activations (fla's names), in the public signatures' order.
-ACTIVATION_ARGS = (
-    "use_qk_l2norm_in_kernel",
-    "use_gate_in_kernel",
-    "A_log",
-    "dt_bias",
-    "lower_bound",
-    "use_bw_sigmoid_in_kernel",
-    "allow_neg_eigval",
-)
-
-
-def activations_of(features: dict[str, Any]) -> Activations:
-    """The :class:`~gdn2core.options.Activations` of a public call's keywords.
-
-    Args:
-        features: the keywords by name (at least :data:`ACTIVATION_ARGS`).
-
-    Returns:
-        The activations (validated by :meth:`Activations.from_options`).
-    """
-    return Activations.from_options(
-        features["use_qk_l2norm_in_kernel"],
-        features["use_gate_in_kernel"],
-        features["lower_bound"],
-        features["use_bw_sigmoid_in_kernel"],
-        features["allow_neg_eigval"],
-    )
-
 
 def check_gate_params(act: Activations, A_log: Any, dt_bias: Any, gate_heads: int, dk: int) -> None:
     """Validate ``A_log`` and ``dt_bias`` against the activations of a call.

@@ -46,16 +46,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gdn2core.config import KernelConfig
+from gdn2core.features.segments import segment_starts
 from gdn2core.ops.decode.api import gdn2_decode
 from gdn2core.ops.forward.api import gdn2_forward, gdn2_forward_trainable
 from gdn2core.registry import get_backend
 from gdn2core.selection import AUTO
-
-
-def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """x / ||x|| over the last axis, computed in float32."""
-    xf = x.astype(jnp.float32)
-    return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 @functools.partial(
@@ -109,8 +104,7 @@ def sequence_starts(
             raise ValueError(f"{name}: expected shape (B, T) = {tuple(shape)}, got {actual}")
         if name == "segment_ids" and not jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
             raise TypeError(f"segment_ids: expected an integer dtype, got {jnp.asarray(x).dtype}")
-        x = jnp.asarray(x) if name == "segment_ids" else jnp.asarray(x) != 0
-        change = jnp.pad(x[:, 1:] != x[:, :-1], ((0, 0), (1, 0)), constant_values=True)
+        change = segment_starts(jnp.asarray(x) if name == "segment_ids" else jnp.asarray(x) != 0)
         starts = change if starts is None else starts | change
     return starts
 

@@ -24,7 +24,6 @@ from gdn2core.sharding.run import sharded_call
 
 
 def run_backend(
-    method: Callable[..., tuple[jax.Array, jax.Array]],
     backend: Backend,
     spec: OpSpec,
     config: KernelConfig,
@@ -33,12 +32,15 @@ def run_backend(
     extras: OpExtras,
     sharding: dict[str, Any],
     supports: Callable[[OpSpec], Verdict],
-) -> tuple[jax.Array, jax.Array]:
-    """Run ``method`` (the backend's ``forward`` or ``forward_trainable``) for one call.
+    *,
+    trainable: bool,
+    chunk_states: bool = False,
+) -> tuple[jax.Array, ...]:
+    """Run one validated call on its backend: ``forward``, ``forward_trainable`` or, with
+    ``chunk_states``, ``forward_chunk_states``; once, or once per shard on a multi-device mesh.
 
     Args:
-        method: the bound backend method.
-        backend: its backend (for the capabilities).
+        backend: the chosen backend.
         spec: the validated spec of the call (user layout: GVA, activations).
         config: the kernel config.
         args: the raw ``(q, k, v, w, b, g)``.
@@ -47,15 +49,29 @@ def run_backend(
         sharding: the mesh keywords of the call (``mesh``, ``batch_axes``, ``head_axes``,
             ``context_axis``).
         supports: the verdict of the backend on a per-shard spec.
+        trainable: call ``forward_trainable`` (gradients) rather than ``forward``.
+        chunk_states: call ``forward_chunk_states`` (single device only).
 
     Returns:
-        ``(o, h_final)`` in the user layout.
+        ``(o, h_final)``, or ``(o, h_final, chunk_states)``, in the user layout.
+
+    Raises:
+        ValueError: ``chunk_states`` on a multi-device mesh.
     """
     placed = args[0]  # the user's q: its sharding locates the mesh
     view, inputs, h0, backend_extras = _backend_inputs(backend, spec, args, h0, extras)
     plan = resolve_plan(view, placed, **sharding)
+    more = {} if backend_extras is None else {"extras": backend_extras}
+    if chunk_states:
+        if plan is not None:
+            raise ValueError(
+                "return_chunk_states: expected a single-device call, got a multi-device mesh "
+                "(chunk states are not gathered across shards)"
+            )
+        o, h, chunks = backend.forward_chunk_states(*inputs, h0, spec=view, config=config, **more)
+        return (*ungroup_outputs(spec, o, h), ungroup_state(spec, chunks))
+    method = backend.forward_trainable if trainable else backend.forward
     if plan is None:
-        more = {} if backend_extras is None else {"extras": backend_extras}
         o, h = method(*inputs, h0, spec=view, config=config, **more)
     else:
         o, h = sharded_call(
@@ -64,31 +80,6 @@ def run_backend(
             check_vma=backend.shard_map_check_vma,
         )  # fmt: skip
     return ungroup_outputs(spec, o, h)
-
-
-def run_chunk_states(
-    backend: Backend,
-    spec: OpSpec,
-    config: KernelConfig,
-    args: tuple[jax.Array, ...],
-    h0: jax.Array,
-    extras: OpExtras,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Run the backend's ``forward_chunk_states`` for one single-device call without packed
-    sequences (the caller refuses the rest), with the activations and grouped value heads of
-    :func:`run_backend`.
-
-    Args:
-        backend, spec, config, args, h0, extras: as for :func:`run_backend`.
-
-    Returns:
-        ``(o, h_final, chunk_states)`` in the user layout: chunk_states ``(B, NC, HV, dk, dv)``.
-    """
-    view, inputs, h0, backend_extras = _backend_inputs(backend, spec, args, h0, extras)
-    more = {} if backend_extras is None else {"extras": backend_extras}
-    o, h, chunks = backend.forward_chunk_states(*inputs, h0, spec=view, config=config, **more)
-    o, h = ungroup_outputs(spec, o, h)
-    return o, h, ungroup_state(spec, chunks)
 
 
 def _backend_inputs(backend: Backend, spec: OpSpec, args, h0, extras: OpExtras):

@@ -75,12 +75,6 @@ class ShardPlan:
         """PartitionSpec of h0 and h_final ``(B, H, dk, dv)`` (replicated over the time axis)."""
         return PartitionSpec(self._entry(self.batch_axes), self._entry(self.head_axes), None, None)
 
-    def token_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, self.token_spec)
-
-    def state_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, self.state_spec)
-
     def local_spec(self, spec: OpSpec) -> OpSpec:
         """The spec each device's backend call sees (heads of every kind split alike; with
         cu_seqlens, whose one row is never split over batch, the sequences all stay)."""

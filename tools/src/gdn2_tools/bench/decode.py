@@ -132,7 +132,7 @@ def decode_rows(names: Sequence[str] | None) -> tuple[list[str], dict[str, str]]
     """
     from gdn2core.platform import default_platform
     from gdn2core.registry import BackendNotFoundError, get_backend, list_backends
-    from gdn2core.verdict import decode_verdict
+    from gdn2core.verdict import judge_decode
 
     if names is None:
         names = [REFERENCE, *(i.name for i in list_backends() if not i.broken)]
@@ -146,7 +146,7 @@ def decode_rows(names: Sequence[str] | None) -> tuple[list[str], dict[str, str]]
         except BackendNotFoundError as err:
             skipped[name] = str(err)
             continue
-        answer = decode_verdict(backend, None, None, auto=False, platform=default_platform())
+        answer = judge_decode(backend, None, None, auto=False, platform=default_platform())
         if answer:
             rows.append(name)
         else:

@@ -31,7 +31,7 @@ from gdn2_tools.bench.shapes import BenchShape
 from gdn2_tools.tpu import TOPOLOGIES, compile_for_tpu, topology_mesh
 from gdn2core import registry
 from gdn2core.config import KernelConfig
-from gdn2core.verdict import verdict
+from gdn2core.verdict import judge
 
 
 def _specs(shape: BenchShape, dtype: str, sharding=None):
@@ -185,7 +185,7 @@ def default_rows(target: str | None) -> list[str]:
     return [
         b.name
         for b in registry.usable_backends()
-        if verdict(b, None, None, trainable=True, auto=True, platform="tpu")
+        if judge(b, None, None, trainable=True, auto=True, platform="tpu")
     ]
 
 

@@ -38,7 +38,7 @@ from gdn2core.config import DEFAULT_CONFIG, KernelConfig
 from gdn2core.ops.forward.spec import OpSpec
 from gdn2core.platform import default_platform, device_memory_bytes
 from gdn2core.selection import resolve_backend
-from gdn2core.verdict import verdict
+from gdn2core.verdict import judge
 
 
 def baselines() -> tuple[str, ...]:
@@ -140,7 +140,7 @@ def plan_rows(
         caps = backend.capabilities
         if interpret and platform not in caps.platforms and caps.interpret:
             cfg = cfg.model_copy(update={"interpret": True})
-        answer = verdict(backend, None, cfg, trainable=False, auto=False, platform=platform)
+        answer = judge(backend, None, cfg, trainable=False, auto=False, platform=platform)
         if not answer:
             hint = (
                 "; --interpret runs its kernels in interpret mode (very slow)"

@@ -21,17 +21,15 @@ inputs.
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import jax
 from jaxtyping import Array, Float, Int
 
 from gdn2core.config import DEFAULT_CONFIG, KernelConfig
-from gdn2core.features.activations import (
-    ACTIVATION_ARGS,
-    activations_of,
-    apply_activations,
-    check_gate_params,
-)
+from gdn2core.features.activations import apply_activations, check_gate_params
 from gdn2core.ops.decode.spec import DecodeSpec, expand_heads, sanitize_slots
+from gdn2core.options import FeatureArgs, Features
 from gdn2core.platform import call_platform
 from gdn2core.selection import AUTO, resolve_decode_backend
 
@@ -49,8 +47,10 @@ def _resolve(
     spec = DecodeSpec.from_inputs(
         q, k, v, w, b, g, state, state_indices, scale, return_token_states
     )
-    activations = activations_of(features)
-    check_gate_params(activations, features["A_log"], features["dt_bias"], spec.gate_heads, spec.dk)
+    activations = features.activations
+    check_gate_params(
+        activations, features.extras.A_log, features.extras.dt_bias, spec.gate_heads, spec.dk
+    )
     if config is None:
         config = DEFAULT_CONFIG
     elif not isinstance(config, KernelConfig):
@@ -74,13 +74,7 @@ def gdn2_decode(
     return_token_states: bool = False,
     config: KernelConfig | None = None,
     backend: str = AUTO,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    A_log: Float[Array, " Hg"] | None = None,
-    dt_bias: Float[Array, "Hg dk"] | None = None,
-    lower_bound: float | None = None,
-    use_bw_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
+    **features: Unpack[FeatureArgs],
 ) -> DecodeOut:
     """``S`` new tokens of each of ``N`` sequences against a state pool (inference only).
 
@@ -111,9 +105,9 @@ def gdn2_decode(
         backend: a backend name, or ``"auto"``: the ``GDN2_BACKEND`` environment variable when set,
             else the highest-priority backend with a decode op that would run the call here. A
             named backend never falls back to another one.
-        use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-            use_bw_sigmoid_in_kernel, allow_neg_eigval: the fused activations, as for
-            :func:`gdn2_forward` (``A_log (Hg,)``, ``dt_bias (Hg, dk)``, ``Hg`` the heads of b
+        **features: the fused activations, as for :func:`gdn2_forward`
+            (``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel``, ``A_log``, ``dt_bias``,
+            ``lower_bound``, ``use_bw_sigmoid_in_kernel``, ``allow_neg_eigval``; ``A_log (Hg,)``, ``dt_bias (Hg, dk)``, ``Hg`` the heads of b
             and g). The core applies them in XLA before the backend's decode, in the state dtype,
             rounded to the input dtype (as the chunked op does for backends that do not fuse
             them), so a model calls the chunked op and the decode op with the same raw inputs.
@@ -144,14 +138,14 @@ def gdn2_decode(
         BackendUnsupportedError: the named backend cannot run this call here (no decode op, or
             its reason).
     """
-    arguments = locals()
-    features = {name: arguments[name] for name in ACTIVATION_ARGS}
+    parsed = Features.parse(features, op="gdn2_decode", packed=False)
     spec, resolved, config, activations, chosen = _resolve(
         q, k, v, w, b, g, state, state_indices, scale, return_token_states, config, backend,
-        features,
+        parsed,
     )  # fmt: skip
     if activations.any:
-        q, k, w, b, g = apply_activations(activations, q, k, w, b, g, A_log, dt_bias)
+        extras = parsed.extras
+        q, k, w, b, g = apply_activations(activations, q, k, w, b, g, extras.A_log, extras.dt_bias)
     slots = sanitize_slots(state_indices, spec.n_seqs, spec.pool_size)
     xs = [expand_heads(x, spec.heads) for x in (q, k)]
     gates = [expand_heads(x, spec.heads) for x in (b, g)]
@@ -177,20 +171,13 @@ def which_decode_backend(
     return_token_states: bool = False,
     config=None,
     backend: str = AUTO,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    A_log=None,
-    dt_bias=None,
-    lower_bound: float | None = None,
-    use_bw_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
+    **features: Unpack[FeatureArgs],
 ) -> str:
     """The name of the backend a :func:`gdn2_decode` call with these arguments would run.
 
     Args:
         q, k, v, w, b, g, state, state_indices, scale, return_token_states, config, backend,
-            use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-            use_bw_sigmoid_in_kernel, allow_neg_eigval: as for :func:`gdn2_decode`.
+            **features: as for :func:`gdn2_decode`.
 
     Returns:
         The backend name.
@@ -198,11 +185,10 @@ def which_decode_backend(
     Raises:
         As :func:`gdn2_decode`.
     """
-    arguments = locals()
-    features = {name: arguments[name] for name in ACTIVATION_ARGS}
+    parsed = Features.parse(features, op="which_decode_backend", packed=False)
     *_, chosen = _resolve(
         q, k, v, w, b, g, state, state_indices, scale, return_token_states, config, backend,
-        features,
+        parsed,
     )  # fmt: skip
     return chosen.name
 

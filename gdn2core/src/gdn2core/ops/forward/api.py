@@ -1,20 +1,22 @@
-"""The public functions: validate, pick the backend, run it (per shard on a multi-device mesh)."""
+"""The public functions of the chunked op: validate, pick the backend, run it (per shard on a
+multi-device mesh) through :mod:`gdn2core.ops.dispatch`."""
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from gdn2core.checks import state_dtype
 from gdn2core.config import DEFAULT_CONFIG, KernelConfig
-from gdn2core.features.activations import ACTIVATION_ARGS, activations_of
-from gdn2core.ops.dispatch import run_backend, run_chunk_states
+from gdn2core.ops.dispatch import run_backend
 from gdn2core.ops.forward.spec import OpSpec
-from gdn2core.options import OpExtras, SegmentMode
+from gdn2core.options import FeatureArgs, Features, SegmentMode
 from gdn2core.platform import call_platform
 from gdn2core.selection import AUTO, resolve_backend
-from gdn2core.sharding.plan import AxesArg, resolve_plan
-from gdn2core.verdict import verdict
+from gdn2core.sharding.plan import AxesArg
+from gdn2core.verdict import judge
 
 Out = tuple[Float[Array, "B T HV dv"], Float[Array, "L HV dk dv"]]
 #: With ``return_chunk_states``: ``(o, h_final, chunk_states)``.
@@ -23,31 +25,14 @@ OutChunks = tuple[
 ]
 
 
-#: The keyword arguments of the model features (``docs/operator.md``), in signature order.
-FEATURE_ARGS = ("segment_ids", "cu_seqlens", *ACTIVATION_ARGS)
-
-
-def _features(arguments: dict) -> dict:
-    """The feature keywords out of a public function's ``locals()``."""
-    return {name: arguments[name] for name in FEATURE_ARGS}
-
-
-def _prepare(args, scale, h0, config, backend, trainable, features, chunk_states=False):
-    """Validate a call and choose its backend: ``(spec, config, backend, h0, extras)``."""
-    activations = activations_of(features)
-    extras = OpExtras(
-        features["segment_ids"], features["cu_seqlens"], features["A_log"], features["dt_bias"]
-    )
+def _prepare(args, scale, h0, config, backend, trainable, features: Features, chunk_states=False):
+    """Validate a call and choose its backend: ``(spec, config, backend, h0)``."""
+    extras = features.extras
     spec = OpSpec.from_inputs(
-        *args,
-        scale,
-        h0,
-        segment_ids=extras.segment_ids,
-        cu_seqlens=extras.cu_seqlens,
-        activations=activations,
-        A_log=extras.A_log,
-        dt_bias=extras.dt_bias,
-    )
+        *args, scale, h0,
+        segment_ids=extras.segment_ids, cu_seqlens=extras.cu_seqlens,
+        activations=features.activations, A_log=extras.A_log, dt_bias=extras.dt_bias,
+    )  # fmt: skip
     if config is None:
         config = DEFAULT_CONFIG
     elif not isinstance(config, KernelConfig):
@@ -66,19 +51,21 @@ def _prepare(args, scale, h0, config, backend, trainable, features, chunk_states
     acc = state_dtype(args[0].dtype)
     shape = (spec.state_rows, spec.value_heads, spec.dk, spec.dv)
     h0 = jnp.zeros(shape, acc) if h0 is None else h0
-    return spec, config, chosen, h0.astype(acc), extras
+    return spec, config, chosen, h0.astype(acc)
 
 
-def _call(args, scale, h0, config, backend, trainable, sharding, features):
-    spec, config, chosen, h0, extras = _prepare(
-        args, scale, h0, config, backend, trainable, features
+def _call(args, scale, h0, config, backend, trainable, sharding, features, chunk_states=False):
+    spec, config, chosen, h0 = _prepare(
+        args, scale, h0, config, backend, trainable, features, chunk_states
     )
-    method = chosen.forward_trainable if trainable else chosen.forward
 
     def supports(local: OpSpec):
-        return verdict(chosen, local, config, trainable=trainable, auto=False, platform=None)
+        return judge(chosen, local, config, trainable=trainable, auto=False, platform=None)
 
-    return run_backend(method, chosen, spec, config, args, h0, extras, sharding, supports)
+    return run_backend(
+        chosen, spec, config, args, h0, features.extras, sharding, supports,
+        trainable=trainable, chunk_states=chunk_states,
+    )  # fmt: skip
 
 
 def gdn2_forward(
@@ -97,16 +84,8 @@ def gdn2_forward(
     batch_axes: AxesArg = None,
     head_axes: AxesArg = None,
     context_axis: str | None = None,
-    segment_ids: Int[Array, "B T"] | None = None,
-    cu_seqlens: Int[Array, " N1"] | None = None,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    A_log: Float[Array, " Hg"] | None = None,
-    dt_bias: Float[Array, "Hg dk"] | None = None,
-    lower_bound: float | None = None,
-    use_bw_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
     return_chunk_states: bool = False,
+    **features: Unpack[FeatureArgs],
 ) -> Out | OutChunks:
     """The GDN-2 operator, forward only (inference). The contract is ``docs/operator.md``.
 
@@ -131,28 +110,16 @@ def gdn2_forward(
             ``head_axes`` (default: read from the inputs' ``NamedSharding``) and, opt-in, time
             over ``context_axis`` (context parallelism; ``T`` must divide evenly; not with
             ``cu_seqlens``).
-        segment_ids: ``(B, T)`` integers, packed sequences: a sequence starts at token 0 and
-            wherever the id differs from the previous token's; the state is reset to zero at
-            every start except token 0, where ``h0`` enters; ``h_final`` leaves the last
-            sequence of each row. Not with ``cu_seqlens``.
-        cu_seqlens: ``(N + 1,)`` integers, fla's variable-length convention (B must be 1):
-            sequence ``n`` is tokens ``cu_seqlens[n]:cu_seqlens[n + 1]``, starting from
-            ``h0[n]``; ``h_final[n]`` is its last state. Must start at 0, not decrease and end at
-            T (checked when concrete; under ``jax.jit`` invalid offsets give unspecified results).
-        use_qk_l2norm_in_kernel: q and k are divided by ``sqrt(sum over dk of x^2 + 1e-6)``.
-        use_gate_in_kernel: g is raw: ``g = -exp(A_log) * softplus(g + dt_bias)`` per head and
-            channel, or with ``lower_bound``: ``g = lower_bound * sigmoid(exp(A_log) * g)``.
-        A_log: ``(Hg,)``, with ``use_gate_in_kernel`` (any floating dtype; used in the state
-            dtype); differentiable.
-        dt_bias: ``(Hg, dk)``, with ``use_gate_in_kernel`` and no ``lower_bound``; differentiable.
-        lower_bound: a float in ``[-5, 0)``: the bounded gate (only with ``use_gate_in_kernel``).
-        use_bw_sigmoid_in_kernel: b and w are raw: ``b = sigmoid(b)``, ``w = sigmoid(w)``.
-        allow_neg_eigval: ``b = 2 * sigmoid(b)`` (erase eigenvalues down to -1); needs
-            ``use_bw_sigmoid_in_kernel``.
         return_chunk_states: also return the state at every chunk boundary (prefix caching,
             resuming a prompt): the state entering each chunk of ``config.bt`` tokens. Single
             device only, not with ``segment_ids`` or ``cu_seqlens``; backends declare it
             (``Capabilities.chunk_states``).
+        **features: the model features (:class:`gdn2core.options.FeatureArgs`, fla's names):
+            ``segment_ids``, ``cu_seqlens`` (packed sequences; ``cu_seqlens`` values must start
+            at 0, not decrease and end at T: checked when concrete, unspecified results under
+            ``jax.jit``), ``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel``, ``A_log``,
+            ``dt_bias``, ``lower_bound``, ``use_bw_sigmoid_in_kernel``, ``allow_neg_eigval``
+            (the fused activations; ``A_log`` and ``dt_bias`` are differentiable).
 
     Returns:
         ``(o, h_final)``: o ``(B, T, HV, dv)`` in v's dtype, h_final ``(B, HV, dk, dv)``
@@ -172,19 +139,9 @@ def gdn2_forward(
     sharding = dict(
         mesh=mesh, batch_axes=batch_axes, head_axes=head_axes, context_axis=context_axis
     )
-    features = _features(locals())
+    parsed = Features.parse(features, op="gdn2_forward")
     args = (q, k, v, w, b, g)
-    if return_chunk_states is False:
-        return _call(args, scale, h0, config, backend, False, sharding, features)
-    spec, config, chosen, h0, extras = _prepare(
-        args, scale, h0, config, backend, False, features, chunk_states=return_chunk_states
-    )
-    if resolve_plan(chosen.capabilities.view(spec), q, **sharding) is not None:
-        raise ValueError(
-            "return_chunk_states: expected a single-device call, got a multi-device mesh "
-            "(chunk states are not gathered across shards)"
-        )
-    return run_chunk_states(chosen, spec, config, args, h0, extras)
+    return _call(args, scale, h0, config, backend, False, sharding, parsed, return_chunk_states)
 
 
 def gdn2_forward_trainable(
@@ -203,15 +160,7 @@ def gdn2_forward_trainable(
     batch_axes: AxesArg = None,
     head_axes: AxesArg = None,
     context_axis: str | None = None,
-    segment_ids: Int[Array, "B T"] | None = None,
-    cu_seqlens: Int[Array, " N1"] | None = None,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    A_log: Float[Array, " Hg"] | None = None,
-    dt_bias: Float[Array, "Hg dk"] | None = None,
-    lower_bound: float | None = None,
-    use_bw_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
+    **features: Unpack[FeatureArgs],
 ) -> Out:
     """The GDN-2 operator, differentiable in q, k, v, w, b, g, h0, A_log and dt_bias.
 
@@ -222,9 +171,7 @@ def gdn2_forward_trainable(
 
     Args:
         q, k, v, w, b, g, scale, h0, config, backend, mesh, batch_axes, head_axes, context_axis,
-            segment_ids, cu_seqlens, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log,
-            dt_bias, lower_bound, use_bw_sigmoid_in_kernel, allow_neg_eigval: as for
-            :func:`gdn2_forward`.
+            **features: as for :func:`gdn2_forward`.
 
     Returns:
         ``(o, h_final)`` as for :func:`gdn2_forward`.
@@ -235,9 +182,9 @@ def gdn2_forward_trainable(
     sharding = dict(
         mesh=mesh, batch_axes=batch_axes, head_axes=head_axes, context_axis=context_axis
     )
-    features = _features(locals())
+    parsed = Features.parse(features, op="gdn2_forward_trainable")
     args = (q, k, v, w, b, g)
-    return _call(args, scale, h0, config, backend, True, sharding, features)
+    return _call(args, scale, h0, config, backend, True, sharding, parsed)
 
 
 def which_backend(
@@ -252,16 +199,7 @@ def which_backend(
     config=None,
     backend: str = AUTO,
     trainable=True,
-    *,
-    segment_ids=None,
-    cu_seqlens=None,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    A_log=None,
-    dt_bias=None,
-    lower_bound: float | None = None,
-    use_bw_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
+    **features: Unpack[FeatureArgs],
 ) -> str:
     """The name of the backend a call with these arguments would run (nothing is computed).
 
@@ -269,10 +207,8 @@ def which_backend(
         q, k, v, w, b, g, scale, h0, config, backend: as for :func:`gdn2_forward`.
         trainable: judge a :func:`gdn2_forward_trainable` call (True) or a
             :func:`gdn2_forward` call (False).
-        segment_ids, cu_seqlens, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
-            lower_bound, use_bw_sigmoid_in_kernel, allow_neg_eigval: as for
-            :func:`gdn2_forward` (a backend without packed sequences is not chosen for a call
-            with ``segment_ids``).
+        **features: as for :func:`gdn2_forward` (a backend without packed sequences is not
+            chosen for a call with ``segment_ids``).
 
     Returns:
         The backend name.
@@ -280,9 +216,9 @@ def which_backend(
     Raises:
         As :func:`gdn2_forward`.
     """
-    features = _features(locals())
+    parsed = Features.parse(features, op="which_backend")
     args = (q, k, v, w, b, g)
-    return _prepare(args, scale, h0, config, backend, trainable, features)[2].name
+    return _prepare(args, scale, h0, config, backend, trainable, parsed)[2].name
 
 
 __all__ = ["gdn2_forward", "gdn2_forward_trainable", "which_backend"]

@@ -24,14 +24,23 @@ of q, k, v, w, b, g, h0, A_log and dt_bias. The contract is ``docs/operator.md``
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from gdn2core.checks import state_dtype
 from gdn2core.features.segments import varlen_layout
 from gdn2core.ops.forward.spec import OpSpec
-from gdn2core.options import L2NORM_EPS, Activations, GateMode, OpExtras, SegmentMode
+from gdn2core.options import (
+    L2NORM_EPS,
+    FeatureArgs,
+    Features,
+    GateMode,
+    OpExtras,
+    SegmentMode,
+)
 
 
 def gdn2_token_serial_reference(
@@ -43,23 +52,12 @@ def gdn2_token_serial_reference(
     g: Float[Array, "B T Hg dk"],
     scale: float | None = None,
     h0: Float[Array, "L HV dk dv"] | None = None,
-    *,
-    segment_ids: Int[Array, "B T"] | None = None,
-    cu_seqlens: Int[Array, " N1"] | None = None,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    A_log: Float[Array, " Hg"] | None = None,
-    dt_bias: Float[Array, "Hg dk"] | None = None,
-    lower_bound: float | None = None,
-    use_bw_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
+    **features: Unpack[FeatureArgs],
 ) -> tuple[Float[Array, "B T HV dv"], Float[Array, "L HV dk dv"]]:
     """Token-serial GDN-2: one ``lax.scan`` step per token (the ground truth).
 
     Args:
-        q, k, v, w, b, g, scale, h0, segment_ids, cu_seqlens, use_qk_l2norm_in_kernel,
-            use_gate_in_kernel, A_log, dt_bias, lower_bound, use_bw_sigmoid_in_kernel,
-            allow_neg_eigval: as for :func:`gdn2core.gdn2_forward`.
+        q, k, v, w, b, g, scale, h0, **features: as for :func:`gdn2core.gdn2_forward`.
 
     Returns:
         ``(o, h_final)``: o in v's dtype, h_final float32 (float64 for float64 inputs).
@@ -67,19 +65,13 @@ def gdn2_token_serial_reference(
     Raises:
         ValueError, TypeError: as :func:`gdn2core.gdn2_forward` for bad inputs.
     """
-    activations = Activations.from_options(
-        use_qk_l2norm_in_kernel,
-        use_gate_in_kernel,
-        lower_bound,
-        use_bw_sigmoid_in_kernel,
-        allow_neg_eigval,
-    )
+    parsed = Features.parse(features, op="gdn2_token_serial_reference")
+    extras = parsed.extras
     spec = OpSpec.from_inputs(
         q, k, v, w, b, g, scale, h0,
-        segment_ids=segment_ids, cu_seqlens=cu_seqlens, activations=activations,
-        A_log=A_log, dt_bias=dt_bias,
+        segment_ids=extras.segment_ids, cu_seqlens=extras.cu_seqlens,
+        activations=parsed.activations, A_log=extras.A_log, dt_bias=extras.dt_bias,
     )  # fmt: skip
-    extras = OpExtras(segment_ids, cu_seqlens, A_log, dt_bias)
     return token_serial(spec, q, k, v, w, b, g, h0, extras)
 
 
