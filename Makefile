@@ -21,7 +21,7 @@ FLOORS_PY := $(FLOORS_VENV)/bin/python
 #: The tests run against the lowest declared versions: the core, the kit, jax_ref and the layer.
 FLOORS_TESTS := tests/core tests/conformance tests/jax_ref tests/scan_baseline tests/layers
 
-.PHONY: venv test test-floors test-slow test-tpu-compile lint format demo bench clean
+.PHONY: venv test test-full test-floors test-slow test-tpu-compile lint format demo bench clean
 
 $(PY):
 	@test -n "$(PYTHON_FOR_VENV)" || { echo "need Python >= 3.12 on PATH" >&2; exit 1; }
@@ -43,9 +43,14 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# Two workers (pytest-xdist): the TPU interpret-mode tests are single-threaded Python.
+# The quick tier (tests/tiers.py: every backend and option once), on two workers (pytest-xdist:
+# the TPU interpret-mode tests are single-threaded Python).
 test: lint
-	$(PY) -m pytest -m "not slow" -q -n 2
+	$(PY) -m pytest -m "not slow and not full" -q -n 2
+
+# The rest of the suite: the tests `make test` leaves out (tests/tiers.py), long sweeps excepted.
+test-full: $(STAMP)
+	$(PY) -m pytest -m "full and not slow" -q -n 2
 
 # A second environment with every declared dependency at its floor (.ci/floors.py), installed
 # from the package folders as a user would (not editable), then the core and jax_ref tests.

@@ -8,6 +8,19 @@ os.environ.setdefault("TPU_LOG_DIR", "disabled")
 
 import pytest
 
+from tests.tiers import is_full
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests of the full tier (tests/tiers.py): `make test` runs the rest."""
+    quick = set()  # test functions with a parametrization in the quick tier already
+    for item in items:
+        function = item.nodeid.split("[")[0]
+        if is_full(item.nodeid, function not in quick):
+            item.add_marker(pytest.mark.full)
+        else:
+            quick.add(function)
+
 
 @pytest.fixture
 def x64(gdn2_x64):

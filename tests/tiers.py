@@ -1,0 +1,76 @@
+"""The quick tier of `make test` (every backend and option once) and the rest (`make test-full`).
+
+`tests/conftest.py` marks a test `full` when :func:`is_full` says so; `make test` deselects them,
+`make test-full` runs only them, and `.ci/run` runs both. The rules, from measured durations
+(`pytest --durations=0`, CPU here):
+
+- a test function with several parametrizations keeps its first one that no other rule sends to
+  the full tier;
+- the conformance suite: jax_ref's second target (the default blocking) and, for every target,
+  the checks that repeat a feature the quick tier already runs (gradients of the forget-gate
+  cases, dg's own-size check, jit+vmap+grad, x64, features combined, no-leakage beyond jax_ref);
+- the Pallas interpret-mode repeats of forget gates and x64 (jax_ref and scan_baseline keep them);
+- the slow end-to-end files: the examples (but the minimal usage), multi-device, the deviceless
+  compiles (but one train step for v5e), packaging, the simulated-device and TPU-estimate benches.
+"""
+
+from __future__ import annotations
+
+FULL_FILES = (
+    "tests/multidevice/",
+    "tests/packaging/",
+    "tests/pallas_tpu/test_compile_features.py",
+    "tests/tools/test_bench_devices.py",
+)
+#: Test functions of the full tier wherever they are: ``file::name`` or ``::name`` (any file).
+FULL_FUNCTIONS = (
+    "tests/examples/test_examples.py::test_train_mqar_packed_smoke",
+    "tests/examples/test_examples.py::test_generate_prefill_and_decode_match_one_forward",
+    "tests/examples/test_examples.py::test_train_gdn2_layer",
+    "tests/examples/test_examples.py::test_train_mqar_two_devices",
+    "tests/pallas_tpu/test_plan.py::test_vmem_byte_model_is_enough_for_the_compiler",
+    "tests/pallas_tpu/test_compile.py::test_eight_heads_token_major_compile_in_place",
+    "tests/tools/test_bench_decode.py::test_decode_bench_tpu_static_estimate",
+    "tests/tools/test_reports.py::test_mesh_report_compiles_small_v5e_2x4",
+    "tests/conformance/test_kit.py::test_wrong_backend_fails_naming_the_capability",
+    "::test_forget_gates_gradients",
+    "::test_dg_relative_to_its_own_size",
+    "::test_jit_vmap_grad",
+    "::test_x64_enabled_gradients",
+    "::test_segments_with_gva_and_activations",
+    "::test_varlen_with_gva_and_activations",
+    "::test_float32_default_config",
+    "tests/jax_ref/test_varlen.py::test_no_leakage_bit_for_bit",
+)
+#: Conformance targets of the full tier (the target name opens the parametrization id).
+FULL_TARGETS = ("jax_ref-default",)
+#: Checks the quick tier runs on one backend only.
+ONE_BACKEND = {"test_segments_no_leakage": "jax_ref", "test_varlen_no_leakage": "jax_ref"}
+
+
+def is_full(nodeid: str, first_of_function: bool) -> bool:
+    """Whether the test ``nodeid`` belongs to the full tier.
+
+    Args:
+        nodeid: pytest's node id (``path::Class::name[params]``).
+        first_of_function: whether no parametrization of its function is in the quick tier yet.
+
+    Returns:
+        True for the full tier, False for the quick tier.
+    """
+    path, _, rest = nodeid.partition("::")
+    name, _, params = rest.rpartition("::")[2].partition("[")
+    if path.startswith(FULL_FILES):
+        return True
+    if f"{path}::{name}" in FULL_FUNCTIONS or f"::{name}" in FULL_FUNCTIONS:
+        return True
+    pallas_only = ("test_forget_gates", "test_x64_enabled")  # jax_ref and scan_baseline keep them
+    if path.endswith("test_conformance.py") and name in pallas_only and "pallas" in params:
+        return True
+    target = params.split("-B")[0].split("-N")[0].rstrip("]")
+    if path.endswith("test_conformance.py"):
+        if target in FULL_TARGETS:
+            return True
+        if name in ONE_BACKEND and not target.startswith(ONE_BACKEND[name]):
+            return True
+    return not first_of_function
