@@ -6,9 +6,11 @@
 
 - a test function with several parametrizations keeps its first one that no other rule sends to
   the full tier;
-- the conformance suite: jax_ref's second target (the default blocking) and, for every target,
-  the checks that repeat a feature the quick tier already runs (gradients of the forget-gate
-  cases, dg's own-size check, jit+vmap+grad, x64, features combined, no-leakage beyond jax_ref);
+- the conformance suite: jax_ref's second target (the default blocking), pallas_tpu's
+  race-detection target (interpret mode on two simulated cores: 12 more minutes, as long as the
+  interpret target) and, for every target, the checks that repeat a feature the quick tier
+  already runs (gradients of the forget-gate cases, dg's own-size check, jit+vmap+grad, x64,
+  features combined, no-leakage beyond jax_ref);
 - the Pallas interpret-mode repeats of forget gates and x64 (jax_ref and scan_baseline keep them);
 - the slow end-to-end files: the examples (but the minimal usage), multi-device, the deviceless
   compiles (but one train step for v5e), packaging, the simulated-device and TPU-estimate benches.
@@ -30,6 +32,10 @@ FULL_FUNCTIONS = (
     "tests/examples/test_examples.py::test_train_mqar_two_devices",
     "tests/pallas_tpu/test_plan.py::test_vmem_byte_model_is_enough_for_the_compiler",
     "tests/pallas_tpu/test_compile.py::test_eight_heads_token_major_compile_in_place",
+    "tests/pallas_tpu/test_gate_edges.py::test_bounded_gate_with_dt_bias_train_step_lowers_to_mosaic",
+    "tests/pallas_tpu/test_decode_slots.py::test_dmas_executed_when_started_give_the_same",
+    "tests/pallas_tpu/test_vmem_limits.py::test_largest_accepted_varlen_row_compiles",
+    "tests/pallas_tpu/test_vmem_limits.py::test_the_compiler_refuses_the_table_the_model_puts_at_the_whole_smem",
     "tests/tools/test_bench_decode.py::test_decode_bench_tpu_static_estimate",
     "tests/tools/test_reports.py::test_mesh_report_compiles_small_v5e_2x4",
     "tests/conformance/test_kit.py::test_wrong_backend_fails_naming_the_capability",
@@ -43,7 +49,7 @@ FULL_FUNCTIONS = (
     "tests/jax_ref/test_varlen.py::test_no_leakage_bit_for_bit",
 )
 #: Conformance targets of the full tier (the target name opens the parametrization id).
-FULL_TARGETS = ("jax_ref-default",)
+FULL_TARGETS = ("jax_ref-default", "pallas_tpu-races")
 #: Checks the quick tier runs on one backend only.
 ONE_BACKEND = {"test_segments_no_leakage": "jax_ref", "test_varlen_no_leakage": "jax_ref"}
 

@@ -9,7 +9,11 @@ claim never includes a gated feature the backend does not declare (``Capabilitie
 
 from __future__ import annotations
 
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
 from gdn2_conformance import SMALL_CONFIG, ConformanceSuite, Feature, Target
+from gdn2_pallas_tpu import PallasTpuConfig
 from gdn2core import KernelConfig
 
 HEADS = ((8, 8), (8, 12), (12, 6))
@@ -42,3 +46,36 @@ class TestPallasTpuInterpret(ConformanceSuite):
             name="pallas_tpu-interpret",
         ),
     )
+
+
+class TestPallasTpuRaces(ConformanceSuite):
+    """The same kernels in TPU interpret mode with its race detector on, two simulated cores and
+    the "parallel" grid axes (batch, head group; decode head blocks) in a random order
+    (``PallasTpuConfig``'s interpret knobs): a race raises in the interpreter (``RACE
+    DETECTED``) and fails the test. tests/pallas_tpu/test_races.py runs every kernel so with
+    shapes that keep both cores busy; this target runs the whole suite so. In the full tier
+    (tests/tiers.py: as long again as the interpret target). The interpreter's state is reset
+    around every test, also after one that raised inside a kernel (its docs require it)."""
+
+    targets = (
+        Target(
+            "pallas_tpu",
+            PallasTpuConfig(
+                bt=16,
+                interpret=True,
+                interpret_detect_races=True,
+                interpret_cores=2,
+                interpret_seed=2024,
+            ),
+            ((64, 64), (64, 128), (128, 64)),
+            frozenset(Feature) - {Feature.FLOAT64},
+            quick=True,
+            name="pallas_tpu-races",
+        ),
+    )
+
+    @pytest.fixture(autouse=True)
+    def _fresh_interpreter(self):
+        pltpu.reset_tpu_interpret_mode_state()
+        yield
+        pltpu.reset_tpu_interpret_mode_state()

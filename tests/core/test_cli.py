@@ -18,7 +18,13 @@ def test_info_lists_every_backend_with_its_verdict_here(capsys, monkeypatch):
     assert rows["jax_ref"] == ["0.1.0", "ok", "100", "yes", "yes"]
     assert rows["scan_baseline"][3:] == ["yes", "no"]
     scan_row = next(ln for ln in out.splitlines() if ln.startswith("scan_baseline"))
-    assert scan_row.rstrip().endswith("features: segment_ids, cu_seqlens")  # the capability flags
+    # the capability flags, then what the core provides for every backend
+    core = "grouped value heads (core), activations (core, XLA)"
+    assert scan_row.rstrip().endswith(f"features: segment_ids, cu_seqlens, {core}")
+    jax_row = next(ln for ln in out.splitlines() if ln.startswith("jax_ref"))
+    assert jax_row.rstrip().endswith(f"features: segment_ids, cu_seqlens, {core}")
+    pallas_row = next(ln for ln in out.splitlines() if ln.startswith("pallas_tpu"))
+    assert pallas_row.rstrip().endswith("fused activations, grouped value heads (core)")
     assert (
         "pallas_tpu (gdn2-pallas-tpu): (1) runs on tpu, this call on cpu; KernelConfig(interpret=True)"
         in out
@@ -49,7 +55,37 @@ def test_console_script_runs():
 
 def test_unknown_command_is_an_error(capsys):
     assert main(["frobnicate"]) == 2
-    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unknown command 'frobnicate'; choose from info" in err and "did you mean" not in err
+    assert main(["infos"]) == 2
+    assert "unknown command 'infos'; did you mean 'info'? choose from" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "names, hint",
+    [
+        (["nosuch"], "'nosuch' is not one of gdn2's own backends: install the package"),
+        (["jax_ref", "jax-ref"], "did you mean 'jax_ref'?"),
+    ],
+)
+def test_conformance_refuses_a_backend_that_is_not_installed_in_one_line(
+    names, hint, capsys, monkeypatch
+):
+    """``gdn2 conformance nosuch`` printed pytest's 38-line traceback: now one line naming the
+    installed backends, exit 2, and pytest does not start."""
+    from gdn2_conformance import command
+
+    def no_pytest(*args, **kwargs):
+        raise AssertionError(f"pytest started: {args}")
+
+    monkeypatch.setattr(command.subprocess, "run", no_pytest)
+    assert main(["conformance", *names]) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    bad = names[-1]
+    assert line.startswith(f"gdn2 conformance: gdn2 backend {bad!r} is not installed (installed: ")
+    assert "jax_ref" in line and "scan_baseline" in line and hint in line, line
+    assert captured.out == ""
 
 
 def test_subcommands_come_from_hooks(tmp_path, capsys):
@@ -103,3 +139,22 @@ def test_a_command_of_an_uninstalled_distribution_says_how_to_install(monkeypatc
 def test_conformance_needs_a_name():
     with pytest.raises(SystemExit):
         main(["conformance"])
+
+
+def test_conformance_runs_pytest_for_installed_backends(monkeypatch):
+    """The names check lets installed backends through to the suite (pytest stubbed here: the
+    real run is tests/conformance)."""
+    import types
+
+    from gdn2_conformance import command
+
+    seen = []
+    monkeypatch.setattr(
+        command.subprocess,
+        "run",
+        lambda cmd, check: seen.append(cmd) or types.SimpleNamespace(returncode=0),
+    )
+    assert main(["conformance", "jax_ref", "scan_baseline", "--", "-k", "forward"]) == 0
+    (cmd,) = seen
+    assert cmd[1:3] == ["-m", "pytest"] and cmd[-2:] == ["-k", "forward"]
+    assert "--gdn2-backend jax_ref --gdn2-backend scan_baseline" in " ".join(cmd)

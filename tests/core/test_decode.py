@@ -71,7 +71,7 @@ def test_bad_inputs_name_the_argument(x, change, match):
     [
         (dict(state=jnp.zeros((5, 4, 8, 12), jnp.float16)), r"state: expected dtype float32 or"),
         (dict(state_indices=jnp.asarray([0.0, 1.0, 2.0])), r"state_indices: expected an integer"),
-        (dict(state_indices=[0, 1, 2]), r"state_indices: expected an integer array"),
+        (dict(state_indices="012"), r"state_indices: expected an integer array"),
         (dict(return_token_states=1), r"return_token_states: expected a bool"),
         (dict(config={"bt": 16}), r"config: expected a KernelConfig"),
     ],
@@ -256,8 +256,8 @@ def test_decode_applies_the_fused_activations(case, kw):
         ),
         (
             dict(use_gate_in_kernel=True, lower_bound=-1.0, A_log=jnp.zeros(2),
-                 dt_bias=jnp.zeros((2, 8))),
-            r"dt_bias: given with lower_bound",
+                 dt_bias=jnp.zeros((2, 4))),
+            r"dt_bias: expected shape \(Hg, dk\) = \(2, 8\)",
         ),
         (dict(lower_bound=-1.0), r"lower_bound"),
         (dict(allow_neg_eigval=True), r"allow_neg_eigval"),

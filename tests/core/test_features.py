@@ -23,7 +23,8 @@ from gdn2_conformance import (
     rel_err,
 )
 from gdn2_conformance.checks import op_function
-from gdn2_conformance.feature_suite import ACTIVATION_CASES
+from gdn2_conformance.feature_inputs import np_gate, np_sigmoid
+from gdn2_conformance.feature_suite import ACTIVATION_CASES, FUSED_CASES
 from gdn2core import (
     Activations,
     BackendUnsupportedError,
@@ -45,6 +46,7 @@ from gdn2core.features.activations import apply_activations
 from gdn2core.features.gva import group_call, resolve_spec, ungroup_outputs
 from gdn2core.features.segments import as_int32_ids, segment_starts, shard_boundary_starts
 from gdn2core.ops.forward.reference import token_serial
+from gdn2core.options import A_LOG_RANGE
 from gdn2core.plugin import Backend
 
 
@@ -67,16 +69,86 @@ def test_gva_transform_equals_native_reference(gate_heads, varlen, x64):
     assert rel_err(o, o_ref) < 1e-12 and rel_err(h, h_ref) < 1e-12
 
 
-@pytest.mark.parametrize("act", ACTIVATION_CASES, ids=str)
-def test_xla_activation_path_equals_numpy(act):
+@pytest.mark.parametrize(("act", "bias"), FUSED_CASES, ids=lambda v: str(v)[:60])
+def test_xla_activation_path_equals_numpy(act, bias):
     """float32: the core's activations (computed in float32) against float64 NumPy rounded to
-    float32: an ulp or two of the activation (1e-6 relative)."""
-    x = make_feature_inputs(FeatureCase(T=7, groups=2, activations=act, seed=2))
+    float32: an ulp or two of the activation (1e-6 relative). The bounded gate with and without
+    dt_bias (fla's safe gate: ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``)."""
+    x = make_feature_inputs(FeatureCase(T=7, groups=2, activations=act, gate_bias=bias, seed=2))
+    assert (x.dt_bias is not None) == (bias or act.gate == GateMode.SOFTPLUS)
     got = apply_activations(act, x.q, x.k, x.w, x.b, x.g, x.A_log, x.dt_bias)
     want = activate_numpy(x, act)
     for name, a in zip("qkwbg", got, strict=True):
         assert a.dtype == jnp.float32
         assert rel_err(a, getattr(want, name)) < 1e-6, name
+    if x.dt_bias is not None:  # the bias is used: without it the gate differs by O(1)
+        unbiased = apply_activations(act, x.q, x.k, x.w, x.b, x.g + x.dt_bias, x.A_log, None)
+        assert rel_err(got[4], unbiased[4]) < 1e-6  # g + dt_bias, the same rounding
+        plain = apply_activations(act, x.q, x.k, x.w, x.b, x.g, x.A_log, None)
+        assert rel_err(got[4], plain[4]) > 1e-2
+
+
+#: Raw values at which the gates saturate (and some at which they do not).
+EXTREMES = np.array([np.inf, -np.inf, 1e4, -1e4, 1e30, -1e30, 3e38, -3e38, 110.0, -110.0, 30.0,
+                     -30.0, 1.0, 0.0], np.float32)  # fmt: skip
+BOUNDED = Activations(gate=GateMode.LOWER_BOUND, lower_bound=-2.5, bw_sigmoid=True)
+
+
+@pytest.mark.parametrize("act", [ACTIVATION_CASES[0], BOUNDED], ids=["softplus", "lower_bound"])
+def test_xla_gates_are_exact_at_any_input(act):
+    """float32: the XLA path at raw b, w, g of EXTREMES against every A_log of a clip-crossing
+    set (one per gate head), dt_bias included. Values as float64 NumPy (np_gate, np_sigmoid)
+    within 4 float32 ulps + 1.2e-7 (what 1 + t and a float32 underflow lose), after raising g to
+    -128 (a decay floor: below it every backend erases; float64 values past float32's range are
+    -inf in float32); the limits exactly (sigmoid(+-inf) = 1, 0; a raw g of -inf is no decay; a
+    raw g of +inf under softplus a full erase, exp(g) = 0); and the gradients of every raw input,
+    A_log and dt_bias finite, exactly 0 where the function is flat."""
+    A_log = np.array([-np.inf, -1e4, -85.0, -30.0, 0.7, 30.0, 85.0, 1e4, np.inf], np.float32)
+    Hg, dk, n = A_log.size, 4, EXTREMES.size
+    raw = jnp.asarray(np.broadcast_to(EXTREMES[None, :, None, None], (1, n, Hg, dk)))
+    dt = jnp.full((Hg, dk), -0.5, jnp.float32)
+    q = k = jnp.ones((1, n, Hg, dk), jnp.float32)
+    A = jnp.asarray(A_log)
+
+    def activated(b, w, g, A, dt):
+        return apply_activations(act, q, k, w, b, g, A, dt)[2:]
+
+    w_act, b_act, g_act = (np.asarray(a) for a in activated(raw, raw, raw, A, dt))
+    r = np.asarray(raw, np.float64)
+    want_g = np_gate(act, r, A_log, np.asarray(dt))
+    assert _ulp_close(np.maximum(g_act, -128.0), np.maximum(want_g, -128.0)).all()
+    for got in (w_act, b_act):
+        assert _ulp_close(got, np_sigmoid(r)).all()
+        assert np.all(got[r == np.inf] == 1.0) and np.all(got[r == -np.inf] == 0.0)
+    assert np.all(g_act[r == -np.inf] == 0.0)  # no decay (the padding of packed sequences)
+    if act.gate == GateMode.SOFTPLUS:
+        with np.errstate(under="ignore"):  # a full erase: exp(g) = 0 in float32
+            assert np.all(np.exp(g_act[r == np.inf]) == 0.0)
+    # d/d(all) of sum(b + w + max(g, -128)) (the floor: what a backend's clamp hands down).
+    grads = jax.grad(
+        lambda *a: (
+            sum(jnp.sum(x) for x in activated(*a)[:2])
+            + jnp.sum(jnp.maximum(activated(*a)[2], -128.0))
+        ),
+        argnums=range(5),
+    )(raw, raw, raw, A, dt)
+    for name, d in zip(("db", "dw", "dg", "dA_log", "ddt_bias"), grads, strict=True):
+        assert np.isfinite(np.asarray(d)).all(), name
+    db, dw, dg, dA = (np.asarray(d) for d in grads[:4])
+    flat = np.abs(r) >= 1e4
+    assert np.all(db[flat] == 0.0) and np.all(dw[flat] == 0.0)  # saturated sigmoids
+    assert np.all(dg[np.isinf(r)] == 0.0)  # saturated gate, or a full erase
+    clipped = (A_log < A_LOG_RANGE[0]) | (A_log > A_LOG_RANGE[1])
+    assert np.all(dA[clipped] == 0.0)  # the rate is constant outside the clip
+
+
+def _ulp_close(actual, expected, ulps: float = 4.0, absolute: float = 1.2e-7) -> np.ndarray:
+    """Elementwise: equal (infinities included), or within ``ulps`` float32 ulps of the float64
+    value plus ``absolute``."""
+    a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    with np.errstate(invalid="ignore"):
+        near = np.abs(a - e) <= ulps * 2.0**-23 * np.abs(e) + absolute
+    return (a == e) | near
 
 
 def test_plain_specs_unchanged():
@@ -103,11 +175,52 @@ def test_activation_options_are_checked():
         Activations.from_options(use_gate_in_kernel=True, lower_bound=float("nan"))
     x = make_feature_inputs(FeatureCase(T=5, activations=Activations(gate=GateMode.LOWER_BOUND,
                                                                        lower_bound=-2.0)))  # fmt: skip
-    with pytest.raises(ValueError, match="dt_bias: given with lower_bound"):
-        gdn2_token_serial_reference(*x.args, A_log=x.A_log, dt_bias=jnp.zeros((2, 8)),
+    assert x.dt_bias is not None  # dt_bias is taken with lower_bound (fla's safe gate)
+    with pytest.raises(ValueError, match=r"dt_bias: expected shape \(Hg, dk\) = \(2, 8\)"):
+        gdn2_token_serial_reference(*x.args, A_log=x.A_log, dt_bias=jnp.zeros((2, 4)),
                                     **x.options)  # fmt: skip
     with pytest.raises(TypeError, match="A_log: expected a floating dtype, got int32"):
         gdn2_token_serial_reference(*x.args, A_log=jnp.zeros(2, jnp.int32), **x.options)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [jnp.float32(-2.0), np.float32(-2.0), np.array(-2.0), jnp.array(-2, jnp.int32), -2, jnp.bfloat16(-2)],
+    ids=["jnp.float32", "np.float32", "np-0d", "jnp-int32", "int", "jnp.bfloat16"],
+)  # fmt: skip
+def test_lower_bound_takes_any_concrete_real_scalar(value):
+    """A concrete NumPy or JAX 0-d real value is a static number (converted with float()): the
+    same activations, and the same outputs, as the Python float."""
+    act = Activations.from_options(use_gate_in_kernel=True, lower_bound=value)
+    assert act == Activations(gate=GateMode.LOWER_BOUND, lower_bound=-2.0)
+    assert type(act.lower_bound) is float and hash(act) == hash(Activations.from_options(
+        use_gate_in_kernel=True, lower_bound=-2.0))  # fmt: skip
+    x = make_feature_inputs(FeatureCase(T=5, activations=act))
+    options = {**x.options, "lower_bound": value}
+    o, _ = gdn2_token_serial_reference(*x.args, A_log=x.A_log, dt_bias=x.dt_bias, **options)
+    o_ref, _ = gdn2_token_serial_reference(*x.args, A_log=x.A_log, dt_bias=x.dt_bias, **x.options)
+    assert np.array_equal(o, o_ref)
+
+
+def test_lower_bound_refuses_a_traced_or_non_scalar_value_naming_its_type():
+    expected = r"lower_bound: expected a Python float \(a static number\) in \[-5, 0\), got "
+    with pytest.raises(TypeError, match=expected + r"a traced float32\[\] \(it must be static: "
+                       r"it selects the kernel's gate\)"):  # fmt: skip
+        jax.jit(lambda lb: Activations.from_options(use_gate_in_kernel=True, lower_bound=lb))(
+            jnp.float32(-2.0)
+        )
+    for value, what in (
+        (jnp.full(3, -2.0), r"a float32\[3\] array \(not a scalar\)"),
+        (np.full((1, 1), -2.0), r"a float64\[1,1\] array \(not a scalar\)"),
+        (True, "the bool True"),
+        (jnp.array(True), r"a bool\[\] \(not a real number\)"),
+        (jnp.array(-2j), r"a complex64\[\] \(not a real number\)"),
+        ("-2", "a str: '-2'"),
+    ):
+        with pytest.raises(TypeError, match=expected + what):
+            Activations.from_options(use_gate_in_kernel=True, lower_bound=value)
+    with pytest.raises(ValueError, match=r"lower_bound: expected a float in \[-5, 0\), got -7.0"):
+        Activations.from_options(use_gate_in_kernel=True, lower_bound=jnp.float32(-7.0))
 
 
 def test_segment_ids_of_any_integer_dtype_keep_their_starts(x64):
@@ -179,10 +292,10 @@ def test_backend_without_extras_runs_gva_and_activations(act, plain_only):
     assert (spec.heads, spec.value_heads, spec.dv) == (2, 2, 8) and not spec.activations.any
 
 
-def test_xla_activation_gradients_match_central_differences(plain_only, x64):
-    """float64: the gradients through the XLA path (A_log, dt_bias included) of a backend that
-    does not fuse the activations, against central differences."""
-    act = ACTIVATION_CASES[0]
+@pytest.mark.parametrize("act", ACTIVATION_CASES, ids=str)
+def test_xla_activation_gradients_match_central_differences(act, plain_only, x64):
+    """float64: the gradients through the XLA path (A_log, dt_bias included, the bounded gate's
+    too) of a backend that does not fuse the activations, against central differences."""
     x = make_feature_inputs(
         FeatureCase(T=6, H=1, dk=8, dv=4, groups=2, activations=act, seed=8), jnp.float64
     )
@@ -222,7 +335,8 @@ def test_memory_estimate_of_a_grouped_call_is_that_of_the_plain_call():
 def test_capabilities_describe_the_features():
     caps = Capabilities(segments=True, fused_activations=True)
     assert "features: segment_ids, fused activations" in caps.describe()
-    assert Capabilities().describe().endswith("features: -")
+    core = "features: grouped value heads (core), activations (core, XLA)"
+    assert Capabilities().describe().endswith(core)
 
 
 def test_op_extras_is_a_pytree():

@@ -1,6 +1,8 @@
 """The token-serial reference: against a plain numpy loop, and its autodiff gradients against
 float64 central differences (derivation-independent)."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,11 +17,12 @@ from gdn2_conformance import (
     make_feature_inputs,
     make_inputs,
     op_function,
+    outputs_and_grads,
     rel_err,
 )
-from gdn2_conformance.feature_suite import ACTIVATION_CASES
+from gdn2_conformance.feature_suite import ACTIVATION_CASES, FUSED_CASES
 from gdn2_conformance.numpy_ref import gdn2_numpy_loop
-from gdn2core import Activations, gdn2_token_serial_reference
+from gdn2core import Activations, GateMode, gdn2_token_serial_reference
 
 CASES = [
     Case(B=1, T=9, H=2, dk=4, dv=6, h0=True),
@@ -134,9 +137,16 @@ def test_reference_gva_equals_numpy_on_repeated_heads(gate_heads, x64):
     assert rel_err(o, o_np) < 1e-12 and rel_err(h, h_np) < 1e-12
 
 
-@pytest.mark.parametrize("act", (*ACTIVATION_CASES, Activations(qk_l2norm=True)), ids=str)
-def test_reference_activations_equal_numpy_activated_inputs(act, x64):
-    case = FeatureCase(B=1, T=11, H=2, dk=4, dv=3, groups=2, activations=act, seed=4)
+@pytest.mark.parametrize(
+    ("act", "bias"),
+    (*FUSED_CASES, (Activations(qk_l2norm=True), False)),
+    ids=lambda v: str(v)[:60],
+)
+def test_reference_activations_equal_numpy_activated_inputs(act, bias, x64):
+    """The bounded gate with dt_bias (fla's safe gate) and without one, among the others."""
+    case = FeatureCase(
+        B=1, T=11, H=2, dk=4, dv=3, groups=2, activations=act, gate_bias=bias, seed=4
+    )
     x = make_feature_inputs(case, jnp.float64)
     o, h = gdn2_token_serial_reference(*x.args, 0.7, x.h0, A_log=x.A_log, dt_bias=x.dt_bias,
                                        **x.options)  # fmt: skip
@@ -160,3 +170,23 @@ def test_reference_feature_gradients_match_central_differences(act, x64):
         return cotangent_loss(o, h, x.do, x.dh)
 
     check_central_differences(loss, x.diff_args, seed=12, names=x.grad_names)
+
+
+def test_reference_bounded_gate_takes_dt_bias_as_fla(x64):
+    """fla's safe gate: ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``. The reference with
+    dt_bias equals the reference without it on raw g + dt_bias (float64: the same arithmetic,
+    1e-12), differs from it on raw g (so the bias is used: O(1)), and its dt_bias gradient equals
+    its raw-g gradient summed over tokens (the bias enters only through g + dt_bias; 1e-12)."""
+    act = Activations(gate=GateMode.LOWER_BOUND, lower_bound=-2.0)
+    x = make_feature_inputs(FeatureCase(T=9, H=2, dk=4, dv=3, activations=act, seed=6), jnp.float64)
+    assert x.dt_bias is not None
+    run = op_function(gdn2_token_serial_reference, x)
+    o, h = run(*x.diff_args)
+    shifted = dataclasses.replace(x, g=x.g + x.dt_bias, dt_bias=None)
+    o_s, h_s = op_function(gdn2_token_serial_reference, shifted)(*shifted.diff_args)
+    assert rel_err(o, o_s) < 1e-12 and rel_err(h, h_s) < 1e-12
+    plain = dataclasses.replace(x, dt_bias=None)
+    o_p, _ = op_function(gdn2_token_serial_reference, plain)(*plain.diff_args)
+    assert rel_err(o, o_p) > 1e-2
+    grads = dict(zip(x.grad_names, outputs_and_grads(run, x)[2], strict=True))
+    assert rel_err(grads["ddt_bias"], jnp.sum(grads["dg"], axis=(0, 1))) < 1e-12

@@ -137,7 +137,51 @@ def test_named_backend_not_installed_lists_installed_and_pip_command():
     msg = str(err.value)
     assert "'triton_gpu' is not installed" in msg
     assert "scan_baseline" in msg and "jax_ref" in msg
-    assert "otherwise install the package that provides it" in msg
+    assert (
+        "'triton_gpu' is not one of gdn2's own backends: install the package that provides it"
+        in msg
+    )
+    assert "pip install" not in msg  # no folder backends/triton_gpu to install from
+
+
+def test_a_misspelt_backend_gets_the_closest_installed_name_and_no_pip_command():
+    """``backend="jax-ref"`` offered ``pip install ...#subdirectory=backends/jax-ref``, a folder
+    that does not exist; now: "did you mean 'jax_ref'?", and no pip command."""
+    x = make_inputs(Case())
+    for typo in ("jax-ref", "JAX_REF", "jaxref"):
+        with pytest.raises(BackendNotFoundError) as err:
+            gdn2_forward(*x.args, backend=typo)
+        msg = str(err.value)
+        assert f"gdn2 backend {typo!r} is not installed (installed: " in msg
+        assert "did you mean 'jax_ref'?" in msg and "pip install" not in msg, msg
+
+
+def test_install_hints_offer_pip_commands_for_gdn2s_own_folders_only():
+    """A pip command names ``backends/NAME`` only for one of gdn2's own backends (the fixed list,
+    which is the repository's backends/ folders); any other name gets "install the package"."""
+    from pathlib import Path
+
+    from gdn2core.install import OWN_BACKENDS, any_backend_hint, backend_hint, own_backend_command
+
+    root = Path(__file__).resolve().parents[2]
+    folders = {p.parent.name for p in (root / "backends").glob("*/pyproject.toml")}
+    assert set(OWN_BACKENDS) == folders == FIRST_PARTY
+    # an own backend that is not installed, asked for by its name or by a close one
+    assert backend_hint("pallas_tpu", ["jax_ref"]).endswith(own_backend_command("pallas_tpu"))
+    close = backend_hint("pallas-tpu", ["jax_ref"])
+    assert close.startswith("did you mean 'pallas_tpu', one of gdn2's own backends? pip install")
+    assert "#subdirectory=backends/pallas_tpu" in close and "backends/pallas-tpu" not in close
+    # a close installed name wins over the own list; an unknown name gets no command
+    assert backend_hint("pallas-tpu", ["jax_ref", "pallas_tpu"]).startswith(
+        "did you mean 'pallas_tpu'? (else install the package that provides 'pallas-tpu')"
+    )
+    for other in ("nosuch", "triton_gpu", "my-kernels"):
+        hint = backend_hint(other, ["jax_ref", "pallas_tpu", "scan_baseline"])
+        assert "pip install" not in hint and "install the package that provides it" in hint
+    nothing = any_backend_hint()
+    assert own_backend_command("jax_ref") in nothing and "<name>" not in nothing
+    with pytest.raises(ValueError, match=r"name: expected one of gdn2's own backends .* got 'x'"):
+        own_backend_command("x")
 
 
 def test_install_hint_matches_the_readme_command():

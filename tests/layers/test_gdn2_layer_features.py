@@ -1,8 +1,9 @@
-"""GDN2Layer's model features: packed sequences (segment_ids, attention_mask) with the short
-convolutions reset at every start, and grouped value heads (num_v_heads).
+"""GDN2Layer's model features: packed sequences (segment_ids) with the short convolutions reset
+at every start, padding (attention_mask, unpadded as fla does), and grouped value heads
+(num_v_heads).
 
-References: separate layer calls per sequence (packing), a plain layer on repeated key heads
-(grouped value heads). Tolerances are float32 rounding of the same arithmetic in a different
+References: separate layer calls per sequence (packing) or on the unpadded tokens (padding), a
+plain layer on repeated key heads (grouped value heads). Tolerances are float32 rounding of the same arithmetic in a different
 order (another T, another head layout): 2e-5 absolute on outputs of size ~1.
 """
 
@@ -84,23 +85,85 @@ def test_packed_no_leakage_bitwise():
     assert not np.allclose(y[:, lo:hi], y2[:, lo:hi])  # the perturbation did reach its sequence
 
 
-def test_attention_mask_left_and_right_padding(ref_backend):
-    """Padding on either side: the tokens' outputs equal a call on the tokens alone; y = 0 at
-    padding. A row with a gap is two sequences."""
+def _unpadded(layer, x, mask, **kw):
+    """fla's unpadding, by hand: each row's tokens (the mask's non-zero positions) alone."""
+    return [layer(x[r : r + 1, np.flatnonzero(mask[r])], **kw) for r in range(len(mask))]
+
+
+def test_attention_mask_unpads_like_fla(ref_backend):
+    """fla removes the padded positions and runs each row's remaining tokens as one sequence
+    (get_unpad_data / index_first_axis): padding on the left, on the right, between tokens
+    (a gap of 2, and gaps of 1 inside the conv window), the tokens' outputs equal a call on the
+    row's tokens alone, the state and the short convolutions carried across each gap; y = 0 at
+    padding."""
     layer = GDN2Layer(D, H, DK, backend=ref_backend.name, rngs=nnx.Rngs(0))
-    x = _x(B=3, T=10)
-    mask = np.zeros((3, 10), np.int32)
+    x = _x(B=4, T=10)
+    mask = np.zeros((4, 10), np.int32)
     mask[0, 3:] = 1  # left padding
     mask[1, :6] = 1  # right padding
-    mask[2, :4] = mask[2, 6:] = 1  # a gap: two sequences
+    mask[2, :4] = mask[2, 6:] = 1  # a gap of two between tokens: still one sequence
+    mask[3, [1, 2, 4, 6, 9]] = 1  # padding everywhere
     y = nnx.jit(lambda m, x, a: m(x, attention_mask=a))(layer, x, jnp.asarray(mask))
-    for row, spans in ((0, [(3, 10)]), (1, [(0, 6)]), (2, [(0, 4), (6, 10)])):
-        for lo, hi in spans:
-            alone = layer(x[row : row + 1, lo:hi])
-            np.testing.assert_allclose(y[row : row + 1, lo:hi], alone, rtol=RTOL, atol=ATOL)
+    for row, alone in enumerate(_unpadded(layer, x, mask)):
+        idx = np.flatnonzero(mask[row])
+        np.testing.assert_allclose(y[row : row + 1, idx], alone, rtol=RTOL, atol=ATOL)
     assert np.all(np.asarray(y)[mask == 0] == 0)
-    with pytest.raises(ValueError, match="attention_mask: not with h0 or return_state"):
+    # the mask of booleans, and of all tokens (the plain call), are the same call
+    y_bool = nnx.jit(lambda m, x, a: m(x, attention_mask=a))(layer, x, jnp.asarray(mask != 0))
+    np.testing.assert_array_equal(np.asarray(y_bool), np.asarray(y))
+    np.testing.assert_allclose(
+        layer(x, attention_mask=jnp.ones((4, 10))), layer(x), rtol=RTOL, atol=ATOL
+    )
+
+
+def test_attention_mask_with_h0_and_segment_ids(ref_backend):
+    """h0 enters each row's first token (wherever the padding is); with segment_ids a sequence
+    starts where the id changes from one token to the next (the padding between skipped)."""
+    layer = GDN2Layer(D, H, DK, backend=ref_backend.name, rngs=nnx.Rngs(0))
+    x = _x(B=2, T=10)
+    mask = np.ones((2, 10), np.int32)
+    mask[0, :2] = mask[0, 5:7] = 0  # left padding and a gap
+    mask[1, 3] = mask[1, 8:] = 0
+    h0 = jax.random.normal(jax.random.key(3), (2, H, DK, DK))
+    y = nnx.jit(lambda m, x, a, h: m(x, attention_mask=a, h0=h))(layer, x, jnp.asarray(mask), h0)
+    for row in range(2):
+        idx = np.flatnonzero(mask[row])
+        alone = layer(x[row : row + 1, idx], h0=h0[row : row + 1])
+        np.testing.assert_allclose(y[row : row + 1, idx], alone, rtol=RTOL, atol=ATOL)
+    # row 0: ids 4 4 | 4 4 4 _ _ 4 | 9 9 -> tokens 2..4 and 7 are one sequence, 8..9 another
+    ids = jnp.asarray([[4, 4, 4, 4, 4, 4, 4, 4, 9, 9], [1] * 10], jnp.int32)
+    y = nnx.jit(lambda m, x, a, s: m(x, attention_mask=a, segment_ids=s))(
+        layer, x, jnp.asarray(mask), ids
+    )
+    for span in ([2, 3, 4, 7], [8, 9]):
+        np.testing.assert_allclose(y[:1, span], layer(x[:1, span]), rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError, match="attention_mask: not with return_state"):
         layer(x, attention_mask=jnp.asarray(mask), return_state=True)
+
+
+def test_attention_mask_padding_never_reaches_a_token_bitwise():
+    """jax_ref (the real, chunked path): other values at the padded positions (between tokens
+    too) leave the tokens' outputs and input gradients identical bit for bit; y and the gradient
+    are 0 at padding."""
+    layer = GDN2Layer(D, H, DK, expand_v=2, backend="jax_ref", rngs=nnx.Rngs(0))
+    mask = np.ones((2, T), np.int32)
+    mask[0, 3:6] = mask[0, -2:] = 0
+    mask[1, :4] = mask[1, 9] = 0
+    dy = jax.random.normal(jax.random.key(5), (2, T, D))
+
+    @nnx.jit
+    def run(m, x):
+        y, vjp = jax.vjp(lambda x_: m(x_, attention_mask=jnp.asarray(mask)), x)
+        return y, vjp(dy)[0]
+
+    x = _x(B=2)
+    noise = jax.random.normal(jax.random.key(9), x.shape)
+    x2 = jnp.where(jnp.asarray(mask == 0)[..., None], x + 10 * noise, x)
+    (y, dx), (y2, dx2) = run(layer, x), run(layer, x2)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y2))
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx2))
+    assert np.all(np.asarray(y)[mask == 0] == 0) and np.all(np.asarray(dx)[mask == 0] == 0)
+    assert np.all(np.abs(np.asarray(dx)[mask != 0]).sum(-1) > 0)
 
 
 def test_segment_ids_errors(ref_backend):

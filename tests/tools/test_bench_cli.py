@@ -11,7 +11,7 @@ import pytest
 from gdn2_conformance import tolerance
 from gdn2_tools.bench import gate
 from gdn2_tools.bench.checks import speed_checks
-from gdn2_tools.bench.cli import bench_main
+from gdn2_tools.bench.cli import bench_main, memory_main
 from gdn2_tools.bench.runner import RowResult
 from gdn2_tools.bench.shapes import ACCEPT_REF, ACCEPT_SCAN, CPU_SHAPES, BenchShape, parse_shape
 from gdn2_tools.bench.timing import Timing
@@ -213,3 +213,62 @@ def test_gate_falls_back_to_a_checked_backend(monkeypatch, test_backends):
     assert trusted.status == "ok", trusted.reason
     assert trusted.gate.against.startswith("test_reference float32 (itself ok vs reference at")
     assert wrong.status == "rejected" and not wrong.modes
+
+
+def _help(main, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+def _description(text: str) -> str:
+    """The description of an argparse help text (between the usage and the options), joined."""
+    body = text.split("\n\n", 1)[1].split("\noptions:")[0]
+    return " ".join(body.split())
+
+
+def _option_helps(text: str) -> dict[str, str]:
+    """``{option: its help text, joined}`` of the options section of an argparse help text."""
+    helps, current = {}, None
+    for line in text.split("\noptions:\n", 1)[1].splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            helps[current] = line
+        elif current is not None:
+            helps[current] += " " + line.strip()
+    return {k: " ".join(v.split()) for k, v in helps.items()}
+
+
+def test_decode_bench_help_is_not_cut(capsys):
+    """The description was the first line of a docstring sentence ("..., correctness-gated,
+    and"): now the whole first paragraph, ending with its full stop."""
+    text = _help(bench_main, ["--decode", "--help"], capsys)
+    description = _description(text)
+    assert description.endswith("static cycle estimate against the HBM bound."), description
+    assert "correctness-gated, and the accuracy cost of a bfloat16 state pool" in description
+
+
+def test_help_texts_show_every_default(capsys):
+    """Every option of gdn2 tpu-report and gdn2 bench that takes a value says its default (the
+    plain flags and the repeatable options aside)."""
+    from gdn2_tools.tpu_report import main as tpu_main
+
+    tpu = _help(tpu_main, ["--help"], capsys)
+    assert _description(tpu).endswith("the compiled HBM of its forward and train step."), tpu
+    helps = _option_helps(tpu)
+    flags = {"-h", "--no-compile", "--estimate", "--segment-ids", "--table"}
+    for option, text in helps.items():
+        assert option in flags or "default" in text, (option, text)
+    for option, default in (("--batch", 8), ("--seq-len", 4096), ("--heads", 6), ("--dk", 128)):
+        assert f"(default {default})" in helps[option], helps[option]
+    assert "(default bfloat16)" in helps["--dtype"] and "(default v5e)" in helps["--tpu"]
+    bench = _option_helps(_help(bench_main, ["--help"], capsys))
+    flags = {"-h", "--decode", "--no-progress", "--plot", "--interpret", "--shape", "--include"}
+    for option, text in bench.items():
+        assert option in flags or "default" in text, (option, text)
+    assert "(default bench-results)" in bench["--out"] and "(default 0)" in bench["--seed"]
+    memory = _option_helps(_help(memory_main, ["--help"], capsys))
+    flags = {"-h", "--no-progress", "--rss", "--shape"}
+    for option, text in memory.items():
+        assert option in flags or "default" in text, (option, text)

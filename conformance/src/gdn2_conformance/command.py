@@ -36,8 +36,9 @@ def conformance_main(argv: Sequence[str]) -> int:
         argv: backend names, optionally followed by ``--`` and extra pytest arguments.
 
     Returns:
-        pytest's exit code (0: every claimed capability passed). pytest runs in a child process
-        (so that it can rewrite the suite's asserts).
+        pytest's exit code (0: every claimed capability passed), or 2 when a name is not an
+        installed, usable backend (one line on stderr, naming the installed ones; pytest does
+        not start). pytest runs in a child process (so that it can rewrite the suite's asserts).
     """
     argv = list(argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -49,6 +50,14 @@ def conformance_main(argv: Sequence[str]) -> int:
     )
     parser.add_argument("backends", nargs="+", metavar="NAME", help="installed backend names")
     args = parser.parse_args(names)
+    from gdn2core import BackendNotFoundError, get_backend
+
+    for name in args.backends:
+        try:
+            get_backend(name)
+        except BackendNotFoundError as err:  # not installed, broken or contested: one line
+            print(f"gdn2 conformance: {err}", file=sys.stderr)
+            return 2
     # A fresh interpreter: pytest rewrites the asserts of plugin packages it imports itself. Only
     # the suite is collected (never the current directory), with no project's configuration.
     suite = Path(__file__).resolve().parent / "suite.py"

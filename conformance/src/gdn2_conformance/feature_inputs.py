@@ -7,8 +7,10 @@ on key or value heads), the packing (per-row sequence lengths for ``segment_ids`
 lengths for ``cu_seqlens``) and the activations; :func:`make_feature_inputs` draws it. Raw inputs
 (when an activation is on): q, k ~ N(0, 1) unnormalised, b and w ~ N(0, 1) before the sigmoid,
 g ~ N(0, 1) before the gate, ``A_log = log U(0.5, 4)`` per head, ``dt_bias ~ N(-1, 0.5)`` per head
-and channel. :func:`activate_numpy` applies the activations in float64 NumPy, written apart from
-the core and the reference: "the unfused op applied to activated inputs".
+and channel (with the softplus gate, and with ``lower_bound`` unless ``gate_bias=False``).
+:func:`activate_numpy` applies the activations in float64 NumPy, written apart from the core and
+the reference: "the unfused op applied to activated inputs"; :func:`np_sigmoid`,
+:func:`np_softplus` and :func:`np_gate` are its stable formulas, exact at any input.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdn2_conformance.inputs import Inputs
-from gdn2core.options import L2NORM_EPS, NO_ACTIVATIONS, Activations, GateMode
+from gdn2core.options import A_LOG_RANGE, L2NORM_EPS, NO_ACTIVATIONS, Activations, GateMode
 
 
 class GateHeads(enum.StrEnum):
@@ -43,6 +45,8 @@ class FeatureCase:
         seqlens: ``cu_seqlens``: the lengths of the sequences (B = 1, they sum to T; zero-length
             sequences allowed); None.
         activations: the fused activations (raw inputs are drawn for those that are on).
+        gate_bias: with ``lower_bound``, whether ``dt_bias`` is drawn (fla's safe gate takes
+            one; optional there). The softplus gate always has one.
         b_max: b's range when b is not raw.
         seed: the seed.
     """
@@ -58,6 +62,7 @@ class FeatureCase:
     rows: tuple[tuple[int, ...], ...] | None = None
     seqlens: tuple[int, ...] | None = None
     activations: Activations = NO_ACTIVATIONS
+    gate_bias: bool = True
     b_max: float = 1.0
     seed: int = 0
 
@@ -99,8 +104,33 @@ class FeatureCase:
         return np.concatenate([[0], np.cumsum(self.seqlens)]).astype(np.int32)
 
 
-def _sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-x))
+def np_sigmoid(x) -> np.ndarray:
+    """float64 ``1 / (1 + exp(-x))`` for any x: ``where(x >= 0, 1, t) / (1 + t)``,
+    ``t = exp(-|x|)`` (1 and 0 at +-inf; NaN stays NaN)."""
+    x = np.asarray(x, np.float64)
+    t = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0, t) / (1.0 + t)
+
+
+def np_softplus(x) -> np.ndarray:
+    """float64 ``log(1 + exp(x)) = max(x, 0) + log1p(exp(-|x|))`` for any x (0 at -inf)."""
+    x = np.asarray(x, np.float64)
+    return np.maximum(x, 0.0) + np.log1p(np.exp(-np.abs(x)))
+
+
+def np_gate(act: Activations, g, A_log, dt_bias=None) -> np.ndarray:
+    """float64 the fused gate of ``act`` on raw ``g`` ``(..., Hg, dk)`` (``docs/operator.md``,
+    the gates): ``rate = exp(clip(A_log, *A_LOG_RANGE))``, ``x = g + dt_bias`` (None: 0); softplus:
+    ``-rate * softplus(x)``, lower_bound: ``lower_bound * sigmoid(rate * x)``. Infinite products
+    (``rate * inf``) give the infinite limit."""
+    rate = np.exp(np.clip(np.asarray(A_log, np.float64), *A_LOG_RANGE))[:, None]  # [Hg, 1] > 0
+    x = np.asarray(g, np.float64)
+    if dt_bias is not None:
+        x = x + np.asarray(dt_bias, np.float64)
+    with np.errstate(over="ignore"):  # rate * x may overflow to +-inf: its limit
+        if act.gate == GateMode.SOFTPLUS:
+            return -rate * np_softplus(x)
+        return act.lower_bound * np_sigmoid(rate * x)
 
 
 def make_feature_arrays(case: FeatureCase) -> dict[str, np.ndarray]:
@@ -127,17 +157,17 @@ def make_feature_arrays(case: FeatureCase) -> dict[str, np.ndarray]:
         "q": normal(B, T, H, dk) if act.qk_l2norm else unit(normal(B, T, H, dk)),
         "k": normal(B, T, H, dk) if act.qk_l2norm else unit(normal(B, T, H, dk)),
         "v": normal(B, T, HV, dv),
-        "w": normal(B, T, HV, dv) if act.bw_sigmoid else _sigmoid(normal(B, T, HV, dv)),
+        "w": normal(B, T, HV, dv) if act.bw_sigmoid else np_sigmoid(normal(B, T, HV, dv)),
         "b": normal(B, T, Hg, dk)
         if act.bw_sigmoid
-        else case.b_max * _sigmoid(normal(B, T, Hg, dk)),
+        else case.b_max * np_sigmoid(normal(B, T, Hg, dk)),
     }
     if act.gate == GateMode.NONE:
         out["g"] = -np.logaddexp(0.0, normal(B, T, Hg, dk) - 1.0)  # the "mixed" decay
     else:
         out["g"] = normal(B, T, Hg, dk)
         out["A_log"] = np.log(rng.uniform(0.5, 4.0, size=Hg))
-        if act.gate == GateMode.SOFTPLUS:
+        if act.gate == GateMode.SOFTPLUS or case.gate_bias:
             out["dt_bias"] = -1.0 + 0.5 * normal(Hg, dk)
     h0 = 0.5 * normal(case.state_rows, HV, dk, dv)
     if case.h0:
@@ -224,14 +254,10 @@ def activate_numpy(x: Inputs, act: Activations) -> Inputs:
         q = q / np.sqrt(np.sum(q * q, axis=-1, keepdims=True) + L2NORM_EPS)
         k = k / np.sqrt(np.sum(k * k, axis=-1, keepdims=True) + L2NORM_EPS)
     if act.bw_sigmoid:
-        b = (2.0 if act.neg_eigval else 1.0) * _sigmoid(b)
-        w = _sigmoid(w)
+        b = (2.0 if act.neg_eigval else 1.0) * np_sigmoid(b)
+        w = np_sigmoid(w)
     if act.gate != GateMode.NONE:
-        rate = np.exp(f64(x.A_log))[:, None]  # [Hg, 1]
-        if act.gate == GateMode.SOFTPLUS:
-            g = -rate * np.logaddexp(0.0, g + f64(x.dt_bias))
-        else:
-            g = act.lower_bound * _sigmoid(rate * g)
+        g = np_gate(act, g, x.A_log, x.dt_bias)
     dt = x.q.dtype
     cast = {n: jnp.asarray(a, dt) for n, a in zip("qkwbg", (q, k, w, b, g), strict=True)}
     options = {n: v for n, v in x.options.items() if n in ("segment_ids", "cu_seqlens")}

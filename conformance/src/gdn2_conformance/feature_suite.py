@@ -55,10 +55,19 @@ from gdn2core.verdict import judge
 TOL_UNFUSED = 1e-5
 TOL_GVA_PLAIN = 1e-5
 
-#: The activations the suite checks: every option, in two calls.
+#: The activations the suite checks: every option, in two calls. The bounded gate's inputs have a
+#: ``dt_bias`` (fla's safe gate ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``:
+#: :attr:`FeatureCase.gate_bias`, on by default).
 ACTIVATION_CASES: tuple[Activations, ...] = (
     Activations(qk_l2norm=True, gate=GateMode.SOFTPLUS, bw_sigmoid=True),
     Activations(gate=GateMode.LOWER_BOUND, lower_bound=-3.0, bw_sigmoid=True, neg_eigval=True),
+)
+#: What the fused-activation checks run, as ``(activations, gate_bias)``: every case of
+#: :data:`ACTIVATION_CASES` (the bounded gate with dt_bias), and the bounded gate without one
+#: (dt_bias is optional there: absent means 0).
+FUSED_CASES: tuple[tuple[Activations, bool], ...] = (
+    *((act, True) for act in ACTIVATION_CASES),
+    (ACTIVATION_CASES[1], False),
 )
 
 
@@ -293,21 +302,21 @@ class FeatureTests:
         """Every activation on raw inputs: as the same backend's unfused op on the inputs
         activated in float64 NumPy (TOL_UNFUSED), and as the reference, which applies them
         token by token."""
-        for seed, act in enumerate(ACTIVATION_CASES):
-            x = make_feature_inputs(_case(gdn2_target, activations=act, seed=50 + seed))
+        for seed, (act, bias) in enumerate(FUSED_CASES):
+            case = _case(gdn2_target, activations=act, gate_bias=bias, seed=50 + seed)
+            x = make_feature_inputs(case)
             o, h = check_forward(gdn2_target, x)
             unfused = _forward(gdn2_target, activate_numpy(x, act))
-            _assert_within(
-                TOL_UNFUSED, f"{act}: fused vs unfused on activated inputs", (o, h), unfused
-            )
+            what = f"{act} (dt_bias: {x.dt_bias is not None}): fused vs unfused on activated inputs"
+            _assert_within(TOL_UNFUSED, what, (o, h), unfused)
 
     @capability(Feature.FUSED_ACTIVATIONS, Feature.TRAINABLE)
     def test_fused_activations_gradients(self, gdn2_target: Target):
         """Gradients with respect to the raw inputs, A_log and dt_bias against the reference's
         autodiff."""
-        for seed, act in enumerate(ACTIVATION_CASES):
-            x = make_feature_inputs(_case(gdn2_target, activations=act, seed=52 + seed))
-            check_grads(gdn2_target, x)
+        for seed, (act, bias) in enumerate(FUSED_CASES):
+            case = _case(gdn2_target, activations=act, gate_bias=bias, seed=52 + seed)
+            check_grads(gdn2_target, make_feature_inputs(case))
 
     @capability(Feature.FUSED_ACTIVATIONS, Feature.FLOAT64, Feature.TRAINABLE)
     def test_fused_activations_central_differences(self, gdn2_target: Target, gdn2_x64):
@@ -340,6 +349,8 @@ class FeatureTests:
                       gdn2_target, x, lower_bound=-6.0, dt_bias=None)  # fmt: skip
         _expect_error(ValueError, r"lower_bound: expected a float in \[-5, 0\), got 0.0",
                       gdn2_target, x, lower_bound=0.0, dt_bias=None)  # fmt: skip
+        _expect_error(ValueError, r"dt_bias: expected shape \(Hg, dk\) = \(2, \d+\)",
+                      gdn2_target, x, lower_bound=-1.0, dt_bias=x.dt_bias[:, :1])  # fmt: skip
         plain = make_feature_inputs(_case(gdn2_target, seed=57))
         _expect_error(ValueError, r"lower_bound: given \(-1.0\) without use_gate_in_kernel",
                       gdn2_target, plain, lower_bound=-1.0)  # fmt: skip

@@ -110,7 +110,10 @@ class Capabilities(BaseModel):
         return YES
 
     def describe(self) -> str:
-        """One line for ``gdn2 info``: dtypes, head sizes, trainability, platforms."""
+        """One line for ``gdn2 info``: dtypes, head sizes, trainability, platforms, and every model
+        feature a call to it may use: the backend's own, then those the core provides for every
+        backend (grouped value heads, and the activations in XLA unless the backend fuses them),
+        marked "(core)"."""
         heads = "any" if self.dk is None else "/".join(map(str, self.dk))
         vals = "any" if self.dv is None else "/".join(map(str, self.dv))
         parts = [
@@ -138,7 +141,10 @@ class Capabilities(BaseModel):
             )
             if on
         ]
-        parts.append("features: " + (", ".join(features) if features else "-"))
+        features.append("grouped value heads (core)")  # the core groups or repeats the heads
+        if not self.fused_activations:
+            features.append("activations (core, XLA)")  # applied by the core before the call
+        parts.append("features: " + ", ".join(features))
         return "; ".join(parts)
 
 

@@ -5,6 +5,7 @@ the others nothing."""
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata as md
 import sys
@@ -101,9 +102,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+        close = difflib.get_close_matches(name, [*commands, *KNOWN_ELSEWHERE], n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
         print(
-            f"gdn2: unknown command {name!r}; choose from {', '.join(commands)} (installed tool "
-            "and backend plugins add more; README, section Install)",
+            f"gdn2: unknown command {name!r}; {hint}choose from {', '.join(commands)} (installed "
+            "tool and backend plugins add more; README, section Install)",
             file=sys.stderr,
         )
         return 2

@@ -9,7 +9,7 @@ import dataclasses
 import difflib
 import enum
 import numbers
-from typing import Any, Final, TypedDict
+from typing import Any, ClassVar, Final, TypedDict
 
 import jax
 import numpy as np
@@ -18,6 +18,11 @@ import numpy as np
 L2NORM_EPS: Final = 1e-6
 #: The range of ``lower_bound``: ``LOWER_BOUND_RANGE[0] <= lower_bound < LOWER_BOUND_RANGE[1]``.
 LOWER_BOUND_RANGE: Final = (-5.0, 0.0)
+#: The fused gates use ``exp(clip(A_log, *A_LOG_RANGE))``: a rate finite and nonzero in float32
+#: (``exp(80) = 5.5e34``, ``exp(-80) = 1.8e-35``), so that a rate times an infinite or zero gate
+#: input is never ``0 * inf``. Outside the range the rate is constant (gradient 0); inside it is
+#: ``exp(A_log)`` itself (models have ``A_log`` of a few units).
+A_LOG_RANGE: Final = (-80.0, 80.0)
 
 
 class SegmentMode(enum.StrEnum):
@@ -33,7 +38,48 @@ class GateMode(enum.StrEnum):
 
     NONE = "none"  # g is the log decay itself
     SOFTPLUS = "softplus"  # g = -exp(A_log) * softplus(g + dt_bias)
-    LOWER_BOUND = "lower_bound"  # g = lower_bound * sigmoid(exp(A_log) * g)
+    LOWER_BOUND = "lower_bound"  # g = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))
+
+
+def _type_name(x: Any) -> str:
+    """``float32[]``, ``int32[3,4]``: an array's dtype and shape; else the Python type."""
+    if hasattr(x, "dtype") and hasattr(x, "shape"):
+        shape = ",".join(str(int(s)) for s in x.shape)
+        return f"{np.dtype(x.dtype).name}[{shape}]"
+    return type(x).__name__
+
+
+def static_lower_bound(lb: Any) -> float:
+    """``lower_bound`` as a Python float: a real number (``int``, ``float``, a NumPy scalar) or
+    a concrete 0-d integer or floating NumPy or JAX array (``jnp.float32(-2.0)``); not a bool,
+    not traced. The range is checked by the caller.
+
+    Raises:
+        TypeError: a traced value (under ``jax.jit``; it must be static: it selects the kernel's
+            gate), an array that is not 0-d, a bool or anything else that is not a real number;
+            the message names the type.
+    """
+    lo, hi = LOWER_BOUND_RANGE
+    expected = f"lower_bound: expected a Python float (a static number) in [{lo:g}, {hi:g})"
+    if isinstance(lb, jax.core.Tracer):
+        raise TypeError(
+            f"{expected}, got a traced {_type_name(lb)} (it must be static: it selects the "
+            "kernel's gate)"
+        )
+    if isinstance(lb, bool | np.bool_):
+        raise TypeError(f"{expected}, got the bool {lb!r}")
+    if isinstance(lb, numbers.Real):
+        return float(lb)
+    if hasattr(lb, "dtype") and hasattr(lb, "shape"):
+        if tuple(lb.shape) != ():
+            raise TypeError(f"{expected}, got a {_type_name(lb)} array (not a scalar)")
+        real = jax.numpy.issubdtype(lb.dtype, jax.numpy.floating) or jax.numpy.issubdtype(
+            lb.dtype, jax.numpy.integer
+        )
+        if not real:  # bool, complex, ...
+            raise TypeError(f"{expected}, got a {_type_name(lb)} (not a real number)")
+        return float(lb)
+    raise TypeError(f"{expected}, got a {_type_name(lb)}: {lb!r}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -43,11 +89,15 @@ class Activations:
     Attributes:
         qk_l2norm: q and k divided by ``sqrt(sum over dk of x^2 + L2NORM_EPS)``.
         gate: the gate activation of g (:class:`GateMode`).
-        lower_bound: the bound of :attr:`GateMode.LOWER_BOUND`, in ``[-5, 0)``; None otherwise.
+        lower_bound: the bound of :attr:`GateMode.LOWER_BOUND`, in ``[-5, 0)`` (any concrete
+            real scalar, stored as a float: :func:`static_lower_bound`); None otherwise.
         bw_sigmoid: ``b = sigmoid(b)``, ``w = sigmoid(w)``.
         neg_eigval: ``b = 2 * sigmoid(b)`` instead (erase eigenvalues down to -1); needs
             ``bw_sigmoid``.
     """
+
+    #: :data:`A_LOG_RANGE`, for the backends (which import only :mod:`gdn2core.plugin`).
+    A_LOG_RANGE: ClassVar[tuple[float, float]] = A_LOG_RANGE
 
     qk_l2norm: bool = False
     gate: GateMode = GateMode.NONE
@@ -58,10 +108,10 @@ class Activations:
     def __post_init__(self) -> None:
         if self.gate == GateMode.LOWER_BOUND:
             lo, hi = LOWER_BOUND_RANGE
-            lb = self.lower_bound
-            if not isinstance(lb, numbers.Real) or isinstance(lb, bool) or not lo <= lb < hi:
+            lb = static_lower_bound(self.lower_bound)
+            if not lo <= lb < hi:
                 raise ValueError(f"lower_bound: expected a float in [{lo:g}, {hi:g}), got {lb!r}")
-            object.__setattr__(self, "lower_bound", float(lb))
+            object.__setattr__(self, "lower_bound", lb)
         elif self.lower_bound is not None:
             raise ValueError(
                 f"lower_bound: given ({self.lower_bound!r}) but the gate is not fused "
@@ -92,13 +142,15 @@ class Activations:
         Args:
             use_qk_l2norm_in_kernel, use_gate_in_kernel, use_bw_sigmoid_in_kernel,
                 allow_neg_eigval: bools.
-            lower_bound: a float in ``[-5, 0)`` (with ``use_gate_in_kernel``) or None.
+            lower_bound: a static real number in ``[-5, 0)`` (with ``use_gate_in_kernel``) or
+                None.
 
         Returns:
             The :class:`Activations`.
 
         Raises:
-            TypeError: a flag that is not a bool.
+            TypeError: a flag that is not a bool; a ``lower_bound`` that is not a static real
+                scalar (:func:`static_lower_bound`).
             ValueError: ``lower_bound`` outside ``[-5, 0)`` or without ``use_gate_in_kernel``;
                 ``allow_neg_eigval`` without ``use_bw_sigmoid_in_kernel``.
         """
@@ -142,7 +194,8 @@ class OpExtras:
         segment_ids: ``(B, T)`` int32; a sequence starts where the id changes (token 0 always).
         cu_seqlens: ``(N + 1,)`` int32 offsets (B = 1).
         A_log: ``(H,)`` in the state dtype, with a fused gate; differentiable.
-        dt_bias: ``(H, dk)`` in the state dtype, with the softplus gate; differentiable.
+        dt_bias: ``(H, dk)`` in the state dtype, with the softplus gate (and with
+            ``lower_bound`` when given); differentiable.
     """
 
     segment_ids: Any = None
@@ -165,11 +218,13 @@ class FeatureArgs(TypedDict, total=False):
             ``h_final[n]``.
         use_qk_l2norm_in_kernel: q and k are divided by ``sqrt(sum over dk of x^2 + 1e-6)``.
         use_gate_in_kernel: g is raw: ``g = -exp(A_log) * softplus(g + dt_bias)`` per head and
-            channel, or with ``lower_bound``: ``g = lower_bound * sigmoid(exp(A_log) * g)``.
+            channel, or with ``lower_bound``: ``g = lower_bound * sigmoid(exp(A_log) * (g +
+            dt_bias))`` (fla's safe gate).
         A_log: ``(Hg,)``, with ``use_gate_in_kernel``; differentiable.
-        dt_bias: ``(Hg, dk)``, with ``use_gate_in_kernel`` and no ``lower_bound``;
-            differentiable.
-        lower_bound: a float in ``[-5, 0)``: the bounded gate (only with ``use_gate_in_kernel``).
+        dt_bias: ``(Hg, dk)``, with ``use_gate_in_kernel`` (optional with ``lower_bound``: absent
+            means 0); differentiable.
+        lower_bound: a static real number in ``[-5, 0)``: the bounded gate (only with
+            ``use_gate_in_kernel``).
         use_bw_sigmoid_in_kernel: b and w are raw: ``b = sigmoid(b)``, ``w = sigmoid(w)``.
         allow_neg_eigval: ``b = 2 * sigmoid(b)`` (erase eigenvalues down to -1); needs
             ``use_bw_sigmoid_in_kernel``.
@@ -200,6 +255,24 @@ FEATURE_DEFAULTS: Final[dict[str, Any]] = {
 }
 #: The keys that mark packed sequences (the decode op has none: each sequence has its own slot).
 PACKED_ARGS: Final = ("segment_ids", "cu_seqlens")
+
+
+def as_index_array(name: str, x: Any) -> Any:
+    """An index argument (``segment_ids``, ``cu_seqlens``, ``state_indices``) as an array: a list
+    or tuple becomes ``jnp.asarray(x)``; anything else is returned as is (its checks follow).
+
+    Raises:
+        TypeError: a list or tuple that is not a rectangular nest of integers.
+    """
+    if not isinstance(x, list | tuple):
+        return x
+    try:
+        return jax.numpy.asarray(x)
+    except (TypeError, ValueError, OverflowError) as err:
+        raise TypeError(
+            f"{name}: expected an integer array or a (nested) list of integers, got a "
+            f"{type(x).__name__} that is not one ({err})"
+        ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,5 +321,6 @@ class Features:
             args["use_bw_sigmoid_in_kernel"],
             args["allow_neg_eigval"],
         )
-        extras = OpExtras(args["segment_ids"], args["cu_seqlens"], args["A_log"], args["dt_bias"])
+        seg, cu = (as_index_array(n, args[n]) for n in PACKED_ARGS)  # lists become arrays
+        extras = OpExtras(seg, cu, args["A_log"], args["dt_bias"])
         return cls(activations, extras)

@@ -22,7 +22,8 @@ token's sequence, start and end under ``cu_seqlens``).
 Helpers for the array methods: :func:`state_dtype` (the accumulation dtype), :func:`probe` (the
 ``GDN2_FWD_DIAG`` diagnostics), :func:`default_platform`, :func:`is_tpu_available`, :func:`device_memory_bytes`, and the
 token-serial references :func:`gdn2_token_serial_reference` and :func:`gdn2_decode_reference`; a
-decode op receives a :class:`DecodeSpec`.
+decode op receives a :class:`DecodeSpec`, and :func:`sanitize_slots` is the core's rule for the slots
+it is given (out of range or repeated: skipped), for a ``decode`` that may be called directly.
 """
 
 from gdn2core.backend import YES, Backend, Capabilities, Verdict
@@ -32,7 +33,7 @@ from gdn2core.diagnostics import probe
 from gdn2core.features.segments import segment_starts, varlen_layout
 from gdn2core.hooks import BACKENDS_GROUP, TOOLS_GROUP, Command, KernelCost, hookimpl
 from gdn2core.ops.decode.reference import gdn2_decode_reference
-from gdn2core.ops.decode.spec import DecodeSpec
+from gdn2core.ops.decode.spec import DecodeSpec, sanitize_slots
 from gdn2core.ops.forward.reference import gdn2_token_serial_reference
 from gdn2core.ops.forward.spec import OpSpec
 from gdn2core.options import L2NORM_EPS, Activations, GateMode, OpExtras, SegmentMode
@@ -62,6 +63,7 @@ __all__ = [
     "hookimpl",
     "is_tpu_available",
     "probe",
+    "sanitize_slots",
     "segment_starts",
     "state_dtype",
     "varlen_layout",

@@ -220,7 +220,7 @@ def get_backend(name: str) -> Backend:
     entries = [e for e in _providers() if e.name == name]
     if not entries:
         installed = ", ".join(installed_names()) or "none"
-        why = f"is not installed (installed: {installed}); {backend_hint(name)}"
+        why = f"is not installed (installed: {installed}); {backend_hint(name, installed_names())}"
         raise BackendNotFoundError(f"gdn2 backend {name!r} {why}")
     for e in entries:
         if e.status is Status.OK:

@@ -27,20 +27,36 @@ def _mib(x: float) -> str:
     return f"{x / 2**20:.2f} MiB"
 
 
-def _parse(argv: Sequence[str]) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
+    """The arguments of ``gdn2 tpu-report``; each help text says its default."""
     from gdn2core import PRESETS
 
-    p = argparse.ArgumentParser(prog="gdn2 tpu-report", description=__doc__.splitlines()[0])
-    p.add_argument("--backend", default=None, help="default: the one auto picks on a TPU")
-    p.add_argument("--batch", "-B", type=int, default=8)
-    p.add_argument("--seq-len", "-T", type=int, default=4096)
-    p.add_argument("--heads", "-H", type=int, default=6)
-    p.add_argument("--dk", type=int, default=128)
-    p.add_argument("--dv", type=int, default=128)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
-    p.add_argument("--tpu", choices=tuple(PEAKS), default="v5e")
+    summary = " ".join(__doc__.split("\n\n")[0].split())  # the whole first paragraph
+    p = argparse.ArgumentParser(prog="gdn2 tpu-report", description=summary)
     p.add_argument(
-        "--config", choices=("default", *PRESETS), default="default", help="KernelConfig preset"
+        "--backend", default=None, help="backend name (default: the one auto picks on a TPU)"
+    )
+    p.add_argument("--batch", "-B", type=int, default=8, help="batch B (default %(default)s)")
+    p.add_argument(
+        "--seq-len", "-T", type=int, default=4096, help="sequence length T (default %(default)s)"
+    )
+    p.add_argument("--heads", "-H", type=int, default=6, help="heads H (default %(default)s)")
+    p.add_argument("--dk", type=int, default=128, help="key head size (default %(default)s)")
+    p.add_argument("--dv", type=int, default=128, help="value head size (default %(default)s)")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="bfloat16",
+        help="input dtype (default %(default)s)",
+    )
+    p.add_argument(
+        "--tpu", choices=tuple(PEAKS), default="v5e", help="TPU generation (default %(default)s)"
+    )
+    p.add_argument(
+        "--config",
+        choices=("default", *PRESETS),
+        default="default",
+        help="KernelConfig preset (default: %(default)s, i.e. DEFAULT_CONFIG)",
     )
     p.add_argument("--no-compile", action="store_true", help="skip the deviceless compile")
     p.add_argument(
@@ -53,7 +69,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         "--value-heads",
         type=int,
         default=0,
-        help="with --estimate: grouped value heads HV (v, w, the state; b, g on the key heads)",
+        help="with --estimate: grouped value heads HV (v, w, the state; b, g on the key heads; "
+        "default 0: HV = H)",
     )
     p.add_argument(
         "--segment-ids",
@@ -67,6 +84,11 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         help="write the table of estimates of docs/results.md (train and long shapes, v5e and v6e, bf16 and "
         "f32; tens of minutes); see gdn2_tools.tpu_estimate",
     )
+    return p
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    p = _parser()
     args = p.parse_args(list(argv))
     if (args.segment_ids or args.value_heads) and not args.estimate:
         p.error("--segment-ids and --value-heads apply to --estimate only")

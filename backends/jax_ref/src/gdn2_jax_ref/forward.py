@@ -148,10 +148,10 @@ def gdn2_chunk_forward_chunk_states(
 ) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"], Float[Array, "B NC H K V"]]:
     """The forward that also returns the state entering every chunk (prefix caching):
     ``(o, h_final, chunk_states)``, chunk_states ``[B, ceil(T / C), H, K, V]`` in the
-    accumulation dtype, entry ``i`` the state after the first ``i C`` tokens. No packed
-    sequences (the core refuses them with chunk states)."""
+    accumulation dtype, entry ``i`` the state after the first ``i C`` tokens (no entry for
+    T = 0: there is no chunk). No packed sequences (the core refuses them with chunk states)."""
     o, h_final, _, chunks = _chunk_forward(q, k, v, w, b, g, h0, params, False, True)
-    n_chunks = max(1, -(-q.shape[1] // params.bt))
+    n_chunks = -(-q.shape[1] // params.bt)  # ceil(T / C): none for T = 0 (docs/operator.md)
     chunks = chunks.reshape(-1, *chunks.shape[2:])[:n_chunks]  # [NC, B, H, K, V]
     return o, h_final, jnp.swapaxes(chunks, 0, 1)
 

@@ -5,7 +5,8 @@ Modules (per job, as in tokamax):
 - ``plugin.py``: the entry point: the ``gdn2_backend`` and ``gdn2_kernel_costs`` hooks.
 - ``backend.py``: ``PallasTpuBackend`` (name "pallas_tpu", priority 200): capabilities,
   supports(), platform guard.
-- ``config.py``: ``PallasTpuConfig``, the backend's own config class (the core fields only).
+- ``config.py``: ``PallasTpuConfig``, the backend's own config class (the core fields and the
+  knobs of interpret mode: race detection, simulated cores, grid order).
 - ``plan.py``: ``Plan``, the static description of one call: blocking (heads and chunks per grid
   step), the MXU precision of each group of products, the VMEM byte model.
 - ``matmul.py``: products at an explicit MXU precision (bf16, bf16x3, f32).

@@ -5,15 +5,28 @@ tensor to HBM or keep one as a residual: the backward reads the raw inputs again
 them, and turns the gradients of the activated values into gradients of the raw ones (and of
 ``A_log`` and ``dt_bias``, as per-step partial sums that XLA adds up).
 
-With ``a = exp(A_log[h])`` and ``s(x) = sigmoid(x)``:
+With ``a = exp(clip(A_log[h], *A_LOG_RANGE))`` (``exp(A_log)`` comes in, the clip is applied to
+it here), ``x = g_raw + dt_bias`` in the gates (``dt_bias`` absent: 0) and ``s = sigmoid``:
 
 - L2 norm: ``y = x r``, ``r = (sum over dk of x^2 + eps)^(-1/2)``; ``dx = r (dy - y sum(y dy))``.
 - ``b = s(b_raw)`` (``2 s(b_raw)`` with negative eigenvalues), ``w = s(w_raw)``;
   ``d raw = d s (1 - s)`` (times 2).
-- softplus gate: ``g = -a softplus(g_raw + dt_bias)``; ``dg_raw = -dg a s(g_raw + dt_bias)``,
-  ``d dt_bias = sum dg_raw``, ``dA_log = sum dg g`` (``dg/dA_log = g``).
-- lower-bound gate: ``g = lb s(a g_raw)``; ``dg_raw = dg lb s (1 - s) a``,
-  ``dA_log = sum dg lb s (1 - s) a g_raw``.
+- softplus gate: ``g = -a softplus(x)``; ``dg_raw = -dg a s(x)``, ``d dt_bias = sum dg_raw``,
+  ``dA_log = sum dg g`` (``dg/dA_log = g``).
+- lower-bound gate (fla's safe gate): ``g = lb s(y)``, ``y = a x``; with ``dy = dg lb s'(y)``:
+  ``dg_raw = dy a``, ``d dt_bias = sum dg_raw``, ``dA_log = sum dy y``.
+- ``dA_log`` is 0 where ``exp(A_log)`` lies outside the clip (the rate is constant there).
+
+Exact at any input, infinities included, without relying on how Mosaic lowers ``exp`` or a
+division at an infinity (``exp(-inf)``, ``1 / inf``): :func:`_sigmoid` and :func:`_softplus`
+exponentiate only ``-min(|x|, EXP_CUT)`` (``exp(-EXP_CUT)`` is 0 in float32) and divide only by
+``1 + t`` in ``[1, 2]``, so ``s(+-inf) = 1, 0``, ``softplus(-inf) = 0``, ``softplus(inf) = inf``
+(``g = -inf``: a full erase, floored by the chunk math). The rate is finite and nonzero, so no
+product is ``0 * inf``, and the backward multiplies an infinite value (``g = -inf``, ``y = +-inf``)
+only by a gradient that is then exactly 0 through a held factor (``max(g, G_FLOOR)``,
+``clip(y, +-EXP_CUT)``, with ``s'(y) = t / (1 + t)^2`` exactly 0 from ``|y| = EXP_CUT``): the
+gradients are 0 where a gate is flat, never NaN. A raw ``g = -inf`` (the padding of packed
+sequences, vjp.py) activates to ``g = 0`` in both gates, whatever ``A_log`` (the rate is > 0).
 
 Tokens past the end of the sequence (the padding of the last grid step) get ``g = 0`` so that
 they leave the state unchanged (a fused gate would otherwise turn their zero input into a decay).
@@ -22,21 +35,56 @@ they leave the state unchanged (a fused gate would otherwise turn their zero inp
 from __future__ import annotations
 
 import dataclasses
+from typing import Final
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from gdn2_pallas_tpu.chunk_math import ZERO, iota
+from gdn2_pallas_tpu.chunk_math import G_FLOOR, ZERO, iota
+from gdn2core.plugin import Activations
 
 F32 = jnp.float32
+#: ``exp(-x)`` is exactly 0 in float32 from here on (below half the smallest subnormal, and a
+#: flushed subnormal on the TPU): the largest exponent magnitude the activations form.
+EXP_CUT: Final = np.float32(105.0)
+#: The clip of the rate ``exp(A_log)`` (:data:`gdn2core.options.A_LOG_RANGE`), float32.
+RATE_MIN: Final = np.float32(np.exp(Activations.A_LOG_RANGE[0]))
+RATE_MAX: Final = np.float32(np.exp(Activations.A_LOG_RANGE[1]))
+ONE: Final = np.float32(1.0)
+
+
+def _neg_exp_abs(x: jax.Array) -> jax.Array:
+    """``exp(-|x|)`` in ``[0, 1]`` from a finite exponent (NaN stays NaN)."""
+    return jnp.exp(-jnp.minimum(jnp.abs(x), EXP_CUT))
 
 
 def _sigmoid(x: jax.Array) -> jax.Array:
-    return 1.0 / (1.0 + jnp.exp(-x))
+    """``1 / (1 + exp(-x))`` for any x: ``where(x >= 0, 1, t) / (1 + t)``, ``t = exp(-|x|)``."""
+    t = _neg_exp_abs(x)
+    return jnp.where(x >= 0, ONE, t) / (ONE + t)
+
+
+def _sigmoid_slope(x: jax.Array) -> jax.Array:
+    """``sigmoid'(x) = t / (1 + t)^2``, ``t = exp(-|x|)``, for any x: 0 at +-inf, and exactly 0
+    wherever ``t`` underflows (``|x| >= EXP_CUT`` at the latest)."""
+    t = _neg_exp_abs(x)
+    u = ONE + t
+    return t / (u * u)
 
 
 def _softplus(x: jax.Array) -> jax.Array:
-    return jnp.maximum(x, ZERO) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))
+    """``log(1 + exp(x)) = max(x, 0) + log1p(exp(-|x|))`` for any x (log1p: ``log(1 + t)``
+    would round ``softplus(-30) = 9e-14`` to 0, and a large rate ``exp(A_log)`` scales it)."""
+    return jnp.maximum(x, ZERO) + jnp.log1p(_neg_exp_abs(x))
+
+
+def _rate(gate_params: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(a, dt, clipped)`` [U, 1, K] from ``gate_params`` [U, 2, K]: the clipped rate, the bias,
+    and where ``exp(A_log)`` was outside the clip (there the gradient of A_log is 0)."""
+    e, dt = gate_params[:, 0:1, :], gate_params[:, 1:2, :]
+    a = jnp.minimum(jnp.maximum(e, RATE_MIN), RATE_MAX)
+    return a, dt, (e < RATE_MIN) | (e > RATE_MAX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +119,9 @@ def activate(q, k, b, w, g, gate_params, act, eps: float, valid) -> Activated:
         b = _sigmoid(b) * (2.0 if act.neg_eigval else 1.0)
         w = _sigmoid(w)
     if act.gate != "none":
-        a, dt = gate_params[:, 0:1, :], gate_params[:, 1:2, :]  # [U, 1, K]
-        softplus = act.gate == "softplus"
-        g = -a * _softplus(g + dt) if softplus else act.lower_bound * _sigmoid(a * g)
+        a, dt, _ = _rate(gate_params)  # [U, 1, K]
+        z = g + dt  # [U, C, K]
+        g = -a * _softplus(z) if act.gate == "softplus" else act.lower_bound * _sigmoid(a * z)
         g = jnp.where(valid, g, ZERO)
     return Activated(q, k, b, w, g, q_r, k_r)
 
@@ -92,16 +140,22 @@ def raw_gradients(x: Activated, raw_g, gate_params, act, valid, dq, dk, db, dw, 
         dw = dw * x.w * (1.0 - x.w)
     partial = None
     if act.gate != "none":
-        a, dt = gate_params[:, 0:1, :], gate_params[:, 1:2, :]  # [U, 1, K]
+        a, dt, clipped = _rate(gate_params)  # [U, 1, K]
+        z = raw_g + dt  # [U, C, K]
         if act.gate == "softplus":
-            d_raw = -dg * a * _sigmoid(raw_g + dt)  # [U, C, K]
-            d_log_a = dg * x.g  # dg/dA_log = g
-            d_dt = d_raw
+            d_raw = -dg * a * _sigmoid(z)
+            # dg/dA_log = g. At g = -inf (a full erase) dg is 0 (the floor's gradient): g held at
+            # the floor keeps that product 0 rather than 0 * inf.
+            d_log_a = dg * jnp.maximum(x.g, G_FLOOR)
         else:
-            s = _sigmoid(a * raw_g)
-            d_raw = dg * act.lower_bound * s * (1.0 - s) * a
-            d_log_a = jnp.where(d_raw == 0, ZERO, d_raw * raw_g)  # raw_g = -inf pads (varlen.py)
-            d_dt = jnp.zeros_like(d_raw)
+            y = a * z
+            # sigmoid'(y) from t = exp(-|y|) itself, exactly 0 once t is: not s (1 - s) from
+            # the forward's g / lb, whose 1 - s a fused multiply-add leaves at 3e-8, not 0.
+            dy = dg * act.lower_bound * _sigmoid_slope(y)
+            d_raw = dy * a
+            d_log_a = dy * jnp.clip(y, -EXP_CUT, EXP_CUT)  # dy/dA_log = y, held: no 0 * inf
+        d_dt = d_raw
+        d_log_a = jnp.where(clipped, ZERO, d_log_a)
         d_raw = jnp.where(valid, d_raw, ZERO)
         d_log_a = jnp.where(valid, d_log_a, ZERO)
         d_dt = jnp.where(valid, d_dt, ZERO)

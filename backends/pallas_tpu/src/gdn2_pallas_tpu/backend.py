@@ -5,18 +5,21 @@
   call elsewhere runs with ``KernelConfig(interpret=True)`` (TPU interpret mode). The core refuses
   an eager call off a TPU without it; a traced call cannot know its target platform yet (a CPU host
   may lower for TPU) and is guarded when it is lowered (``vjp.py``).
-- ``supports()``: chunk lengths of the level scheme (plan.py) whose VMEM byte model fits.
+- ``supports()``: chunk lengths of the level scheme (plan.py) whose VMEM byte model fits, and
+  for ``cu_seqlens`` a chunk table that fits its share of SMEM (varlen.py).
 - Model features (the core's contract, docs/backends.md): packed sequences by ``segment_ids``
   (resets inside the kernels' chunks) and by ``cu_seqlens`` (varlen.py), and the gate
   activations and q/k L2 norm applied inside the kernels (activations.py).
 - ``decode``: the decode kernel (kernels_decode.py) for S up to 128 tokens per call, a float32 or
   bfloat16 pool (``supports_decode``: decode_plan.py). No chunk states yet
   (``return_chunk_states`` is refused: ``Capabilities.chunk_states`` is False).
-- Config: :class:`~gdn2_pallas_tpu.config.PallasTpuConfig`, the core fields only (``bt``,
-  ``wy_eps``, ``interpret``): the level scheme has no sub-chunks and never forms a positive
-  exponent (chunk_math.py). The plans read it through ``PallasTpuConfig.from_config``; another
-  backend's config class (e.g. a ``JaxRefConfig``) is refused by ``supports()`` and
-  ``supports_decode()``: ``config: expected a KernelConfig or PallasTpuConfig, got JaxRefConfig``.
+- Config: :class:`~gdn2_pallas_tpu.config.PallasTpuConfig`, the core fields (``bt``,
+  ``wy_eps``, ``interpret``; the level scheme has no sub-chunks and never forms a positive
+  exponent, chunk_math.py) and the knobs of interpret mode (race detection, simulated cores, the
+  seed of the parallel grid axes' order), refused without ``interpret=True``. The plans read it
+  through ``PallasTpuConfig.from_config``; another backend's config class (e.g. a
+  ``JaxRefConfig``) is refused by ``supports()`` and ``supports_decode()``: ``config: expected a
+  KernelConfig or PallasTpuConfig, got JaxRefConfig``.
 """
 
 from __future__ import annotations
@@ -77,7 +80,8 @@ class PallasTpuBackend(Backend):
     )
 
     def supports(self, spec: OpSpec, config: KernelConfig) -> Verdict:
-        """A config this backend reads, a chunk length of the level scheme, and a VMEM fit."""
+        """A config this backend reads, a chunk length of the level scheme, a VMEM fit, and a
+        cu_seqlens chunk table that fits SMEM."""
         reason = check_plan(spec, config)
         return Verdict(False, reason) if reason else YES
 
@@ -130,10 +134,22 @@ class PallasTpuBackend(Backend):
     def decode(
         self, q, k, v, w, b, g, state, slots, *, spec: DecodeSpec, config: KernelConfig
     ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-        """The decode kernel, in place on the pool (see :meth:`gdn2core.plugin.Backend.decode`)."""
+        """The decode kernel, in place on the pool (see :meth:`gdn2core.plugin.Backend.decode`).
+
+        ``slots`` are sanitised here too (decode_op.py): called directly, with a slot out of
+        range or named twice, the call skips those sequences as ``gdn2_decode`` would.
+
+        Raises:
+            ValueError, TypeError: ``slots`` not an ``(N,)`` integer array.
+        """
         config = PallasTpuConfig.from_config(config)
         _check_platform(q, config)
         from gdn2_pallas_tpu.decode_op import gdn2_pallas_decode
 
+        shape, dtype = tuple(getattr(slots, "shape", ())), getattr(slots, "dtype", None)
+        if dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.integer):
+            raise TypeError(f"slots: expected an integer array of shape (N,), got {dtype}")
+        if shape != (spec.n_seqs,):
+            raise ValueError(f"slots: expected shape (N,) = ({spec.n_seqs},), got {shape}")
         plan = make_decode_plan(spec, config, vmem_capacity_bytes(q))
-        return gdn2_pallas_decode(q, k, v, w, b, g, state, slots, plan, indexed=spec.indexed)
+        return gdn2_pallas_decode(q, k, v, w, b, g, state, slots, plan)

@@ -256,5 +256,17 @@ def stack_chunks(xs: Sequence[jax.Array], plan: Plan) -> jax.Array:
     return jnp.stack(xs, axis=1).reshape(plan.units, *xs[0].shape[1:])
 
 
-def interpret_params(plan: Plan):
-    return pltpu.InterpretParams() if plan.interpret else False
+def interpret_params(plan) -> pltpu.InterpretParams | bool:
+    """The ``interpret`` argument of a ``pallas_call`` of ``plan`` (a :class:`Plan` or a
+    ``DecodePlan``): ``False`` for the compiled kernels, else ``pltpu.InterpretParams`` with the
+    plan's interpret mode (config.py): race detection (``on_race="raise"``, the interpreter's
+    default: a race makes the call raise), the simulated cores, the seed of the order of the
+    "parallel" grid axes."""
+    mode = plan.interpret
+    if mode is None:
+        return False
+    return pltpu.InterpretParams(
+        detect_races=mode.detect_races,
+        num_cores_or_threads=mode.cores,
+        random_seed=mode.seed,
+    )

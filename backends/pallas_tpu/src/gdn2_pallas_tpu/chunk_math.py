@@ -40,12 +40,16 @@ F32 = jnp.float32
 #: A float32 zero for ``jnp.where``: a Python 0.0 would be a float64 constant inside the kernel
 #: under ``jax_enable_x64``, which Mosaic cannot lower.
 ZERO: Final = np.float32(0.0)
-NEG_INF: Final = np.float32(-np.inf)
 #: Log decays below this are raised to it. ``exp`` of anything below about -103.3 is exactly 0 in
 #: float32, so a per-token decay of ``exp(G_FLOOR)`` forgets the state exactly as ``exp(-inf)``
 #: does, while every cumulative sum stays finite (``-inf - (-inf)`` would be NaN). Its gradient is
 #: 0 below the floor, as the reference's (``exp(g) * ...`` underflows to 0 there).
 G_FLOOR: Final = -128.0
+#: The exponent of a masked factor (a pair across a sequence boundary, a row cut off from the
+#: chunk's entry or end state): finite, so the factor ``exp(MASKED) = 0`` (exactly, as for a
+#: floored decay) never rests on ``exp(-inf)``, whose value on the TPU's own lowering interpret
+#: mode does not show.
+MASKED: Final = np.float32(G_FLOOR)
 
 
 def iota(shape: tuple[int, ...], dim: int) -> jax.Array:
@@ -156,9 +160,9 @@ def decay_levels(gamma_cum: jax.Array, g: jax.Array, seg: Segments | None = None
     """The ``L`` levels of a chunk (Γ = ``gamma_cum`` and the clamped ``g``, both [U, C, K]).
 
     With ``seg`` (Γ then restarts at every sequence start), a row in another sequence than its
-    reference row gets the factor 0 (exponent masked to -inf before the exp): every pair across
-    a sequence boundary then has an exactly-zero factor, since one of its rows differs from the
-    reference row between them."""
+    reference row gets the factor 0 (exponent masked to the finite :data:`MASKED` before the
+    exp): every pair across a sequence boundary then has an exactly-zero factor, since one of its
+    rows differs from the reference row between them."""
     U, C, K = gamma_cum.shape
     rows = iota((U, C, K), 1)
     levels = []
@@ -173,7 +177,7 @@ def decay_levels(gamma_cum: jax.Array, g: jax.Array, seg: Segments | None = None
             expo = jnp.where(lower, gamma_cum - ref, ref - gamma_cum)  # <= 0 on both halves
             same = None if seg is None else seg.count == _reference_rows(seg.count, h)
         if same is not None:
-            expo = jnp.where(same, expo, NEG_INF)
+            expo = jnp.where(same, expo, MASKED)
         levels.append(Level(lower, jnp.exp(expo)))
     return levels
 
@@ -210,15 +214,16 @@ def chunk_local(q, k, v, w, b, g, seg: Segments | None = None) -> ChunkLocal:
     With ``seg`` (packed sequences): Γ restarts at every sequence start; exp(Γ) (the decay from
     the chunk's entry state) is 0 on rows after a start in the chunk, exp(Γ_C - Γ) (to the
     chunk's end state) is 0 on rows before its last start, and γ_C is 0 when the chunk contains
-    a start. All by exponents masked to -inf, so no value of another sequence ever enters."""
+    a start. All by exponents masked to the finite :data:`MASKED` (``exp(MASKED) = 0``; never
+    ``exp(-inf)``), so no value of another sequence ever enters."""
     C = k.shape[1]
     gamma_cum = cumsum_rows(g, seg=seg)  # [U, C, K] F1
     gamma_last = gamma_cum[:, C - 1 : C, :]  # [U, 1, K] Γ_C
     to_entry, to_end, whole = gamma_cum, gamma_last - gamma_cum, gamma_last
     if seg is not None:
-        to_entry = jnp.where(seg.count == 0, to_entry, NEG_INF)  # [U, C, K]
-        to_end = jnp.where(seg.count == seg.last, to_end, NEG_INF)  # [U, C, K]
-        whole = jnp.where(seg.last == 0, whole, NEG_INF)  # [U, 1, K]
+        to_entry = jnp.where(seg.count == 0, to_entry, MASKED)  # [U, C, K]
+        to_end = jnp.where(seg.count == seg.last, to_end, MASKED)  # [U, C, K]
+        whole = jnp.where(seg.last == 0, whole, MASKED)  # [U, 1, K]
     e_gamma = jnp.exp(to_entry)  # [U, C, K] <= 1
     e_tail = jnp.exp(to_end)  # [U, C, K] <= 1
     E = b * k  # [U, C, K] F2

@@ -1,9 +1,17 @@
-"""The decode op around its kernel: the block each grid step maps, the platform guard.
+"""The decode op around its kernel: the slots it is given, sanitised; the block each grid step
+maps; the platform guard.
 
-The kernel's pool BlockSpec needs a slot for every step, skipped sequences included. A skipped
-sequence takes the slot of the nearest valid sequence before it (after it, before the first valid
-one; slot 0 when none is valid), so that it revisits a block its neighbour owns instead of touching
-another slot (kernels_decode.py).
+Slots. Two sequences naming one slot would race in the kernel (kernels_decode.py: each valid step
+writes its slot by its own DMAs), and a slot out of range would be a DMA out of the pool. The
+core's ``gdn2_decode`` hands a backend sanitised slots, but the backend's ``decode`` may be called
+directly, so the op sanitises them again with the core's own rule (``gdn2core.plugin.
+sanitize_slots``: a slot out of ``[0, P)``, or named by several sequences, skips every sequence
+naming it; docs/operator.md, decode). On slots the core already sanitised it changes nothing.
+
+Blocks. The kernel's pool BlockSpec needs a slot for every step, skipped sequences included: a
+skipped sequence maps the slot of the nearest valid sequence before it (after it, before the
+first valid one; slot 0 when none is valid), so that it revisits a block its neighbour maps
+instead of fetching one (:func:`step_sources`).
 """
 
 from __future__ import annotations
@@ -17,26 +25,28 @@ from jax import lax
 from gdn2_pallas_tpu.decode_plan import DecodePlan
 from gdn2_pallas_tpu.kernels_decode import decode_call
 from gdn2_pallas_tpu.vjp import _on_tpu_only
+from gdn2core.plugin import sanitize_slots
 
 
-def step_blocks(slots: jax.Array) -> jax.Array:
-    """``(N,)`` int32: each sequence's slot, or for a skipped one (``-1``) its neighbour's."""
+def step_sources(slots: jax.Array) -> jax.Array:
+    """``(N,)`` int32: the sequence whose slot each step maps: its own when valid (``>= 0``),
+    for a skipped one the nearest valid one before it, or after it for the skipped ones before
+    the first valid one (0 when none is valid). A cumulative max and an argmax: no gather."""
     n = slots.shape[0]
     valid = slots >= 0
     pos = jnp.arange(n, dtype=jnp.int32)
     before = lax.cummax(jnp.where(valid, pos, -1))  # the last valid position <= n, or -1
     first = jnp.argmax(valid).astype(jnp.int32)  # the first valid position (0 if none)
-    source = jnp.where(before >= 0, before, first)
-    return jnp.where(valid[source], slots[source], 0).astype(jnp.int32)
+    return jnp.where(before >= 0, before, first).astype(jnp.int32)
 
 
 def gdn2_pallas_decode(
-    q, k, v, w, b, g, state, slots, plan: DecodePlan, *, indexed: bool
+    q, k, v, w, b, g, state, slots, plan: DecodePlan
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """``(o, new_state, token_states | None)`` (see :meth:`gdn2core.plugin.Backend.decode`);
-    ``indexed``: the caller named slots (without, every sequence is valid and maps its own)."""
-    slots = slots.astype(jnp.int32)
-    blocks = step_blocks(slots) if indexed else slots
+    ``slots`` ``(N,)`` integers of any value: each sequence's slot, or a skip (``-1``, out of
+    range, or named twice: module docstring)."""
+    slots = sanitize_slots(slots, plan.n_seqs, plan.pool_size)  # [N] int32, -1: skip
     call = functools.partial(decode_call, plan=plan)
-    outs = _on_tpu_only(call, plan, q, k, v, w, b, g, state, slots, blocks)
+    outs = _on_tpu_only(call, plan, q, k, v, w, b, g, state, slots, step_sources(slots))
     return outs[0], outs[1], outs[2] if plan.token_states else None

@@ -2,20 +2,23 @@
 
 A decode step reads every named pool slot once and writes it once; that traffic bounds it (a few
 FLOPs per state element per token). A grid step takes ``hb`` heads of one sequence: the pool's
-BlockSpec maps the ``(hb, K, V)`` block of the sequence's slot (a scalar-prefetched index), and
-Pallas's pipeline reads the next step's block and writes the previous one back while a step
-computes, so the HBM traffic overlaps the compute (kernels_decode.py).
+BlockSpec maps the ``(hb, K, V)`` block of the sequence's slot (a scalar-prefetched index) and
+Pallas's pipeline reads the next step's block while a step computes; the step writes each head's
+new state back by a DMA of its own as soon as it is computed, so the HBM traffic overlaps the
+compute both ways (kernels_decode.py).
 
 Block choice (static cycle estimate, ``gdn2 bench --decode --tpu``, HV = 32, d = 128, float32):
 about :data:`STEP_STATE_BYTES` of float32 state per step: at N = 8 on v5e 16 heads a step ran
 at 0.71x the HBM bound, 8 heads at 0.91x (the per-step overhead, about 0.35 us), 32 heads at
-0.69x (no better, twice the VMEM). But at least :data:`MIN_STEPS` steps: the first read and
-the last write of a call are not overlapped, so at N = 1 32 heads in 4 steps of 8 (1.64x) beat 2
-steps of 16 (2.1x). ``hb`` is a divisor of HV that tiles the token blocks (a multiple of 8
+0.69x (no better, twice the VMEM). But at least :data:`MIN_STEPS` steps: the first read of a
+call is not overlapped, and each head block waits for its last writes at its end; at N = 1 (every
+slot valid) 32 heads in 2 steps of 16 took 7.7 us, 4 steps of 8 8.7 us, 1 step of 32 8.5 us.
+``hb`` is a divisor of HV that tiles the token blocks (a multiple of 8
 sublanes, 16 for bfloat16 inputs, or HV itself), at most :data:`MAX_HEADS_PER_STEP` (the head
 loop is unrolled).
 
-VMEM per step: the pool block in and out, double-buffered, ``4 hb K V`` in the pool's dtype; a
+VMEM per step: the pool block read (double-buffered by the pipeline) and the new state being
+written back (two buffers, by sequence parity), ``4 hb K V`` in the pool's dtype; a
 float32 working copy when the pool is bfloat16 and S > 1 (the state stays float32 across the
 tokens of a call); double-buffered token blocks ``2 S hb (4 K + 3 V)``; the token states
 ``2 S hb K V``; live float32 temporaries of one head (a few ``[K, V]``) and the transposed rows
@@ -29,7 +32,7 @@ from typing import Final
 
 import jax.numpy as jnp
 
-from gdn2_pallas_tpu.config import PallasTpuConfig
+from gdn2_pallas_tpu.config import InterpretMode, PallasTpuConfig
 from gdn2_pallas_tpu.plan import (
     DEFAULT_VMEM_CAPACITY,
     F32_BYTES,
@@ -39,12 +42,13 @@ from gdn2_pallas_tpu.plan import (
     VMEM_PLAN_SHARE,
     vmem_capacity_bytes,
 )
+from gdn2_pallas_tpu.plan import vmem_limit as kernel_vmem_limit
 from gdn2core.plugin import DecodeSpec, KernelConfig
 
 #: Float32 state bytes a grid step aims at (16 heads of 128 x 128; see the module docstring).
 STEP_STATE_BYTES: Final = 1024 * 1024
-#: Grid steps a call should have at least (the first read and the last write do not overlap).
-MIN_STEPS: Final = 4
+#: Grid steps a call should have at least (the first read does not overlap; module docstring).
+MIN_STEPS: Final = 2
 #: Heads of a step at most (the head loop is unrolled in the kernel).
 MAX_HEADS_PER_STEP: Final = 32
 #: Tokens per call at most: a chunk of the chunked kernels (speculative verification).
@@ -68,7 +72,7 @@ class DecodePlan:
     token_states: bool
     hb: int  # heads per step
     vmem_limit_bytes: int
-    interpret: bool
+    interpret: InterpretMode | None  # None: compiled; else how interpret mode runs (config.py)
 
     @property
     def head_blocks(self) -> int:
@@ -93,7 +97,8 @@ class DecodePlan:
 
     def grid(self) -> tuple[int, int]:
         """(head block, sequence): the sequences sequential (a skipped sequence revisits its
-        neighbour's block), the head blocks parallel (disjoint memory)."""
+        neighbour's block; a step reuses the write buffer of the step two before), the head
+        blocks parallel (disjoint memory; each waits for its own DMAs)."""
         return (self.head_blocks, self.n_seqs)
 
 
@@ -136,9 +141,10 @@ def vmem_bytes(plan: DecodePlan) -> dict[str, int]:
 
 
 def vmem_limit(plan_bytes: int, capacity: int) -> int:
-    """The scoped VMEM limit of the call: twice the byte model, at least 16 MiB, at most the
-    capacity (the whole capacity would leave XLA's own ops none)."""
-    return int(min(capacity, max(16 * 2**20, 2 * plan_bytes)))
+    """The scoped VMEM limit of the call: twice the byte model, at least 16 MiB, at most
+    ``VMEM_LIMIT_SHARE`` of the capacity (plan.py: the whole capacity would leave Mosaic's
+    internal scratch and XLA's own ops none)."""
+    return int(min(kernel_vmem_limit(capacity), max(16 * 2**20, 2 * plan_bytes)))
 
 
 def make_decode_plan(
@@ -164,7 +170,7 @@ def make_decode_plan(
         token_states=spec.token_states,
         hb=head_block(spec),
         vmem_limit_bytes=capacity,
-        interpret=bool(config.interpret),
+        interpret=config.interpret_mode(),
     )
     limit = vmem_limit(vmem_bytes(plan)["total"], capacity)
     return dataclasses.replace(plan, vmem_limit_bytes=limit)

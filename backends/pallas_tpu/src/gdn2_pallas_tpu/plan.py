@@ -20,6 +20,16 @@ tests/pallas_tpu): double-buffered input blocks, the output staging buffers, the
 and the live float32 intermediates of the batched chunk math (``[U, C, K]``-sized arrays,
 ``[U, C, C]`` matrices, ``[hb, K, V]`` states). At the train shape (bf16, d=128, C=64, hb=6,
 nc=4) it is about 36 MiB forward and 56 MiB backward: VMEM is 128 MiB per core on v5e and v6e.
+
+VMEM limit. The kernels' scoped VMEM limit (``vmem_limit_bytes``, :func:`vmem_limit`) is
+:data:`VMEM_LIMIT_SHARE` of the chip's VMEM, not all of it, and the byte model is planned against
+that limit: the rest is headroom for what shares the VMEM with the kernel's scoped allocations
+(Mosaic's internal scratch, the fusions XLA places around the call).
+
+Interpret mode. ``Plan.interpret`` is None for the compiled kernels, else the
+:class:`~gdn2_pallas_tpu.config.InterpretMode` of the config (race detection, simulated cores,
+the seed of the parallel grid axes' order), which ``blocks.interpret_params`` hands to
+``pallas_call``.
 """
 
 from __future__ import annotations
@@ -32,9 +42,9 @@ from typing import Final
 import jax
 import jax.numpy as jnp
 
-from gdn2_pallas_tpu.config import PallasTpuConfig
+from gdn2_pallas_tpu.config import InterpretMode, PallasTpuConfig
 from gdn2_pallas_tpu.matmul import MatmulPrecision
-from gdn2core.plugin import L2NORM_EPS, KernelConfig, OpSpec
+from gdn2core.plugin import L2NORM_EPS, KernelConfig, OpSpec, SegmentMode
 
 F32_BYTES: Final = 4
 #: Lanes and (float32) sublanes of a vector register: the TPU tile.
@@ -54,9 +64,21 @@ SUPPORTED_DTYPES: Final = ("float32", "bfloat16")
 #: VMEM planned for when the target chip is unknown (traced for an unknown device): the smallest
 #: per-core VMEM of the generations we target (v5p, v7x: 64 MiB; v5e, v6e: 128 MiB).
 DEFAULT_VMEM_CAPACITY: Final = 64 * 2**20
-#: Share of the capacity the byte model may plan for (the model is an upper bound: the compiler
-#: needed 16/32 MiB for the bf16 forward/backward at the train blocking where it says 32/48 MiB).
-VMEM_PLAN_SHARE: Final = 0.9
+#: Share of the per-core VMEM a kernel's scoped VMEM limit asks for (``vmem_limit_bytes``): 112
+#: of 128 MiB on v5e and v6e, 56 of 64 MiB on v5p and v7x. Not the whole capacity: Mosaic's
+#: internal scratch and the fusions XLA places around the call share the VMEM with the kernel's
+#: scoped allocations, and a limit of all of it would leave them none.
+VMEM_LIMIT_SHARE: Final = 0.875
+#: Share of the capacity the byte model may plan for: the limit itself (the model is an upper
+#: bound: the compiler needed 16/32 MiB for the bf16 forward/backward at the train blocking where
+#: it says 32/48 MiB; tests/pallas_tpu/test_plan.py compiles with the limit at the model's total).
+VMEM_PLAN_SHARE: Final = VMEM_LIMIT_SHARE
+
+
+def vmem_limit(capacity: int) -> int:
+    """The scoped VMEM limit of the forward and backward kernels on a chip of ``capacity``
+    bytes of VMEM per core: :data:`VMEM_LIMIT_SHARE` of it (the byte model's budget too)."""
+    return int(VMEM_LIMIT_SHARE * capacity)
 
 
 def vmem_capacity_bytes(like: jax.Array | None = None) -> int:
@@ -154,7 +176,7 @@ class Plan:
     nc: int  # chunks per grid step
     precisions: Precisions
     vmem_limit_bytes: int
-    interpret: bool
+    interpret: InterpretMode | None  # None: compiled; else how interpret mode runs (config.py)
     segments: bool = False  # packed sequences (segment_ids): resets inside chunks
     activations: object = None  # gdn2core Activations applied in the kernels, or None
     l2norm_eps: float = L2NORM_EPS
@@ -243,7 +265,13 @@ def vmem_bytes(plan: Plan, backward: bool) -> dict[str, int]:
     blocks += hb * plan.step_len * n_out * s  # output staging (manual DMA)
     blocks += 2 * U * C * max(C, NUM_LANES // plan.lane_pack) * rs  # T|A_qk, lane-packed
     blocks += 2 * 2 * hb * K * V * F32_BYTES  # states in/out
+    if plan.segments:  # the (nc C, 1) float32 start flags, lanes padded to 128, double-buffered
+        blocks += 2 * plan.step_len * NUM_LANES * F32_BYTES
+    if plan.gate:  # (hb, 2, K) float32 gate parameters (and their gradient), rows padded to 8
+        blocks += (4 if backward else 2) * hb * NUM_SUBLANES * K * F32_BYTES
     scratch = hb * K * V * F32_BYTES  # the carried state (or dS)
+    if plan.varlen:  # the per-sequence states' DMA staging (the backward: and a spare state)
+        scratch += (2 if backward else 1) * hb * K * V * F32_BYTES
     lcn = math.log2(C)
     if backward:  # ~30 [C, K] + ~10 [C, V] + ~12 [C, C] live per unit, 2 states per unit
         live = F32_BYTES * U * (30 * C * K + 10 * C * V + 12 * C * C + 2 * K * V)
@@ -260,8 +288,10 @@ def make_plan(
     precisions: Precisions | None = None,
     segments: bool = False,
     activations: object = None,
+    n_seqs: int = 0,
 ) -> Plan:
-    """The plan of one call (see the module docstring for the choices).
+    """The plan of one call (see the module docstring for the choices); ``n_seqs``: the
+    sequences of a ``cu_seqlens`` call (0 otherwise; :func:`varlen_plan` gives the row).
 
     Raises:
         TypeError: ``config`` is another backend's config class (:class:`PallasTpuConfig`).
@@ -269,7 +299,7 @@ def make_plan(
     config = PallasTpuConfig.from_config(config)
     capacity = vmem_capacity_bytes() if vmem_capacity is None else vmem_capacity
     precs = precisions_for(spec.dtype) if precisions is None else precisions
-    budget = int(VMEM_PLAN_SHARE * capacity)
+    budget = vmem_limit(capacity)  # the byte model is planned against the limit itself
     C = int(config.bt)
     layout = layout_for(spec.heads)
     hb = max(d for d in range(1, min(spec.heads, MAX_HEADS_PER_STEP) + 1) if spec.heads % d == 0)
@@ -295,10 +325,11 @@ def make_plan(
             hb=hb,
             nc=nc,
             precisions=precs.for_interpret() if config.interpret else precs,
-            vmem_limit_bytes=capacity,
-            interpret=bool(config.interpret),
+            vmem_limit_bytes=budget,
+            interpret=config.interpret_mode(),
             segments=segments,
             activations=activations,
+            n_seqs=n_seqs,
         )
         need = max(vmem_bytes(plan, False)["total"], vmem_bytes(plan, True)["total"])
         if need <= budget or (nc == 1 and hb == 1):
@@ -312,22 +343,34 @@ def make_plan(
 
 def check_plan(spec: OpSpec, config: KernelConfig) -> str | None:
     """``None`` when the kernels can run this call, else the reason (the first: a config class
-    this backend does not read, a chunk length the level scheme does not take, no VMEM fit)."""
+    this backend does not read, a chunk length the level scheme does not take, a ``cu_seqlens``
+    chunk table too long for SMEM (varlen.py), no VMEM fit)."""
     refusal = PallasTpuConfig.refusal(config)
     if refusal:
         return refusal
     config = PallasTpuConfig.from_config(config)
     if config.bt not in SUPPORTED_CHUNKS:
         return f"bt={config.bt} is not one of {SUPPORTED_CHUNKS} (powers of two, sublane aligned)"
-    plan = make_plan(spec, config)
-    budget = int(VMEM_PLAN_SHARE * plan.vmem_limit_bytes)
+    act = spec.activations if spec.activations.any else None
+    if spec.segments == SegmentMode.CU_SEQLENS:
+        from gdn2_pallas_tpu import varlen
+
+        plan = varlen_plan(spec, config, vmem_capacity_bytes(), act)
+        refusal = varlen.table_refusal(spec.n_seqs, spec.seq_len, plan.C, plan.t_pad)
+        if refusal:
+            return refusal
+    else:
+        segments = spec.segments == SegmentMode.IDS
+        plan = make_plan(spec, config, segments=segments, activations=act)
+    budget = plan.vmem_limit_bytes
     for name, backward in (("forward", False), ("backward", True)):
         used = vmem_bytes(plan, backward)["total"]
         if used > budget:
             return (
                 f"{name} kernel needs ~{used / 2**20:.1f} MiB of VMEM per grid step at bt={config.bt}, "
-                f"dk={spec.dk}, dv={spec.dv} even with one head and one chunk per step (budget "
-                f"{budget / 2**20:.0f} MiB of {plan.vmem_limit_bytes / 2**20:.0f} MiB); use a smaller bt"
+                f"dk={spec.dk}, dv={spec.dv} even with one head and one chunk per step (its VMEM "
+                f"limit: {budget / 2**20:.0f} MiB, {VMEM_LIMIT_SHARE:.1%} of the chip's); use a "
+                "smaller bt"
             )
     return None
 
@@ -337,6 +380,6 @@ def varlen_plan(spec: OpSpec, config: KernelConfig, vmem_capacity: int, activati
     (varlen.py), one batch row."""
     from gdn2_pallas_tpu import varlen
 
-    plan = make_plan(spec, config, vmem_capacity, activations=activations)
+    plan = make_plan(spec, config, vmem_capacity, activations=activations, n_seqs=spec.n_seqs)
     t_pad = varlen.padded_length(spec.seq_len, spec.n_seqs, plan.C, plan.step_len)
     return dataclasses.replace(plan, batch=1, seq_len=t_pad, n_seqs=spec.n_seqs)

@@ -13,12 +13,22 @@ first chunk), so nothing flows between sequences.
 In the kernels, a per-chunk table in SMEM (``[3, n_chunks]`` int32: the sequence of the chunk,
 whether it is the sequence's first chunk, whether it is its last) drives manual DMAs of the
 per-sequence states between HBM and the carried state in VMEM.
+
+The table sits whole in SMEM, 1 MiB per core (:data:`SMEM_CAPACITY`), and Mosaic pads it: its 3
+rows to 4, its chunks to a multiple of 128 (:func:`table_smem_bytes`; measured with the TPU
+compiler, which refuses ``[3, 65536]``: "Ran out of memory in memory space smem ... window shape
+s32[3,65536]", 1 MiB). The table may take :data:`SMEM_TABLE_SHARE` of it, the rest is headroom
+for the scalars the compiler keeps in SMEM beside it (about 1.1 KiB in these kernels): at most
+57344 chunks, a row of 917504 tokens at ``bt=16`` (``t_pad``, the sequences' padding included).
+A longer row is refused by ``supports()`` (:func:`table_refusal`), not left to fail in the
+compiler.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Final
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +36,45 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 SEQ, FIRST, LAST = 0, 1, 2  # rows of the chunk table
+#: SMEM per core of every generation the kernels target (v5e, v5p, v6e, v7x:
+#: ``pltpu.get_tpu_info().smem_capacity_bytes``).
+SMEM_CAPACITY: Final = 2**20
+#: Share of the SMEM the chunk table may take; the rest is headroom for the compiler's own scalars
+#: in SMEM (grid indices, DMA descriptors, spilled scalars: about 1.1 KiB in these kernels).
+SMEM_TABLE_SHARE: Final = 0.875
+#: The table's rows as Mosaic lays them out in SMEM: 3 padded to 4 (the compiler allocates
+#: ``[3, n]`` int32 as 4 n words; the second-minor dimension is padded to a power of two).
+TABLE_ROWS_PADDED: Final = 4
+#: The chunks are padded to whole rows of 128 words.
+SMEM_LANES: Final = 128
+INT32_BYTES: Final = 4
+
+
+def table_smem_bytes(n_chunks: int) -> int:
+    """SMEM bytes of the ``[3, n_chunks]`` int32 chunk table as Mosaic allocates it (padded)."""
+    return TABLE_ROWS_PADDED * math.ceil(n_chunks / SMEM_LANES) * SMEM_LANES * INT32_BYTES
+
+
+def table_smem_budget() -> int:
+    """The SMEM bytes the chunk table may take: ``SMEM_TABLE_SHARE`` of ``SMEM_CAPACITY``."""
+    return int(SMEM_TABLE_SHARE * SMEM_CAPACITY)
+
+
+def table_refusal(n_seqs: int, seq_len: int, C: int, t_pad: int) -> str | None:
+    """None when the chunk table of a row of ``t_pad`` tokens (``n_seqs`` sequences in
+    ``seq_len`` tokens, chunks of ``C``) fits its SMEM budget, else the reason."""
+    n_chunks = t_pad // C
+    need, budget = table_smem_bytes(n_chunks), table_smem_budget()
+    if need <= budget:
+        return None
+    most = budget // (TABLE_ROWS_PADDED * INT32_BYTES)
+    return (
+        f"cu_seqlens: {n_seqs} sequences in T={seq_len} tokens make a row of {n_chunks} chunks "
+        f"of bt={C} (each sequence padded to whole chunks), whose chunk table needs {need} bytes "
+        f"of SMEM, more than the {budget} available ({SMEM_TABLE_SHARE:.1%} of the "
+        f"{SMEM_CAPACITY} bytes of SMEM per core: at most {most} chunks); use a larger bt or "
+        "fewer tokens per call"
+    )
 
 
 def padded_length(seq_len: int, n_seqs: int, C: int, step_len: int) -> int:

@@ -17,6 +17,9 @@ from its own h0) and ``h_final[n]`` is the prefix state at its last token (``h0[
 empty). Since every product with an exact zero map is an exact zero, no sequence's result depends
 on another's tokens, bit for bit.
 
+Under ``GDN2_FWD_DIAG=1`` it reports on ``scan_baseline o`` and ``scan_baseline h_final``
+(:mod:`gdn2core.diagnostics`). It is never called with ``T = 0`` (the core answers that call).
+
 It shares no derivation with the chunked WY backends, which makes it an independent check; its
 memory grows as ``T * dk * (dk + dv)`` per (batch, head), which makes it slow.
 """
@@ -27,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from gdn2core.plugin import segment_starts, state_dtype, varlen_layout
+from gdn2core.plugin import probe, segment_starts, state_dtype, varlen_layout
 
 # Peak temporary bytes of the jitted value_and_grad in units of one [B, H, T, dk, dk + dv] float32
 # buffer: the per-token maps, the scan's sweep partials, the prefix states and their cotangents.
@@ -91,12 +94,12 @@ def gdn2_associative_scan(
     row_h0 = jnp.zeros_like(h0[:1]) if cu_seqlens is not None else h0  # every row starts at 0
     S = A_pre @ row_h0[:, :, None] + B_pre  # [B, H, T, dk, dv]
     o = scale * jnp.einsum("bhtkv,bhtk->bhtv", S, qf)  # [B, H, T, dv]
-    o = jnp.swapaxes(o, 1, 2).astype(v.dtype)
+    o = probe("scan_baseline o", jnp.swapaxes(o, 1, 2).astype(v.dtype))
     if cu_seqlens is None:
-        return o, S[:, :, -1].astype(h0.dtype)
+        return o, probe("scan_baseline h_final", S[:, :, -1].astype(h0.dtype))
     # h_final[n]: the state at the last token of sequence n; h0[n] when it is empty.
     cu = cu_seqlens.astype(jnp.int32)
     last = jnp.clip(cu[1:] - 1, 0, q.shape[1] - 1)  # [N]
     h_last = jnp.swapaxes(S[0][:, last], 0, 1)  # [N, H, dk, dv]
     empty = (cu[1:] == cu[:-1])[:, None, None, None]
-    return o, jnp.where(empty, h0, h_last).astype(h0.dtype)
+    return o, probe("scan_baseline h_final", jnp.where(empty, h0, h_last).astype(h0.dtype))

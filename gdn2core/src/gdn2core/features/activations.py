@@ -1,13 +1,22 @@
 """The fused activations (fla's names): validating the gate parameters, and the XLA path that
 applies the activations for backends that do not fuse them.
 
-With :class:`~gdn2core.options.Activations` ``act`` (``docs/operator.md``, section Activations):
+With :class:`~gdn2core.options.Activations` ``act`` (``docs/operator.md``, section Activations),
+``rate = exp(clip(A_log[h], *A_LOG_RANGE))`` and ``x = g + dt_bias[h]`` (``dt_bias`` absent: 0):
 
 - ``act.qk_l2norm``: ``q = q / sqrt(sum(q^2 over dk) + L2NORM_EPS)``, the same for k;
-- ``act.gate`` SOFTPLUS: ``g = -exp(A_log[h]) * softplus(g + dt_bias[h])`` (per channel);
-  LOWER_BOUND: ``g = lower_bound * sigmoid(exp(A_log[h]) * g)`` (no dt_bias);
+- ``act.gate`` SOFTPLUS: ``g = -rate * softplus(x)`` (per channel; ``dt_bias`` required);
+  LOWER_BOUND: ``g = lower_bound * sigmoid(rate * x)`` (fla's "safe gate"; ``dt_bias`` optional);
 - ``act.bw_sigmoid``: ``b = sigmoid(b)`` (``2 * sigmoid(b)`` with ``act.neg_eigval``),
   ``w = sigmoid(w)``.
+
+Exact at any input, infinities included: :func:`sigmoid` and :func:`softplus` exponentiate only
+``-min(|x|, cut)`` (never an infinity; ``exp(-cut)`` is 0 in the dtype) and divide only by
+``1 + t`` in ``[1, 2]``; ``sigmoid(+-inf) = 1, 0``, ``softplus(-inf) = 0``, ``softplus(inf) = inf``.
+The rate is finite and nonzero, and the factor it multiplies is held finite (``softplus`` below
+the dtype's largest float, ``x`` within it), so that no gradient is ``0 * inf``: where a gate is
+flat (saturated, or a full erase ``g = -inf``) its gradients are 0, not NaN. The values are those
+of the plain formulas (a held factor only turns an infinite ``g`` into one below any decay floor).
 
 The XLA path (:func:`apply_activations`) computes in the state dtype (float32; float64 for
 float64 inputs) and rounds the activated tensors to the input dtype, since a backend takes one
@@ -20,8 +29,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from gdn2core.options import L2NORM_EPS, Activations, GateMode
+from gdn2core.options import A_LOG_RANGE, L2NORM_EPS, Activations, GateMode
 
 
 def check_gate_params(act: Activations, A_log: Any, dt_bias: Any, gate_heads: int, dk: int) -> None:
@@ -30,13 +40,14 @@ def check_gate_params(act: Activations, A_log: Any, dt_bias: Any, gate_heads: in
     Args:
         act: the call's activations.
         A_log: None or an array.
-        dt_bias: None or an array.
+        dt_bias: None or an array (required by the softplus gate, optional with
+            ``lower_bound``).
         gate_heads: Hg, the heads of b and g.
         dk: the key size.
 
     Raises:
-        ValueError: a parameter missing for the fused gate, given without it (or, ``dt_bias``,
-            with ``lower_bound``, which does not use it), or of the wrong shape.
+        ValueError: a parameter missing for the fused gate, given without it, or of the wrong
+            shape.
         TypeError: a non-array or a non-floating dtype.
     """
     if act.gate == GateMode.NONE:
@@ -47,18 +58,12 @@ def check_gate_params(act: Activations, A_log: Any, dt_bias: Any, gate_heads: in
                     "gate); pass use_gate_in_kernel=True or leave it None"
                 )
         return
-    needs_bias = act.gate == GateMode.SOFTPLUS
+    mode = "softplus" if act.gate == GateMode.SOFTPLUS else "lower_bound"
     params = [("A_log", A_log, (gate_heads,), "(Hg,)")]
-    if needs_bias:
+    if act.gate == GateMode.SOFTPLUS or dt_bias is not None:  # optional with lower_bound
         params.append(("dt_bias", dt_bias, (gate_heads, dk), "(Hg, dk)"))
-    elif dt_bias is not None:
-        raise ValueError(
-            "dt_bias: given with lower_bound, whose gate lower_bound * sigmoid(exp(A_log) * g) "
-            "does not use it; add it to g before the call, or leave it None"
-        )
     for name, x, shape, axes in params:
         if x is None:
-            mode = "lower_bound" if not needs_bias else "softplus"
             raise ValueError(
                 f"{name}: expected an array of shape {axes} = {shape} with use_gate_in_kernel=True "
                 f"({mode} gate), got None"
@@ -74,6 +79,43 @@ def check_gate_params(act: Activations, A_log: Any, dt_bias: Any, gate_heads: in
             )
 
 
+def exp_cut(dtype: Any) -> float:
+    """The ``|x|`` from which ``exp(-|x|)`` is exactly 0 in ``dtype`` (past half its smallest
+    subnormal): 105 for float32, 746 for float64."""
+    return float(np.ceil(-np.log(np.finfo(dtype).smallest_subnormal))) + 1.0
+
+
+def _neg_exp_abs(x: jax.Array) -> jax.Array:
+    """``exp(-|x|)`` in ``[0, 1]``, from a finite exponent (NaN stays NaN)."""
+    return jnp.exp(-jnp.minimum(jnp.abs(x), exp_cut(x.dtype)))
+
+
+@jax.custom_jvp
+def sigmoid(x: jax.Array) -> jax.Array:
+    """``1 / (1 + exp(-x))``, stable and exact at any input (module docstring)."""
+    t = _neg_exp_abs(x)
+    return jnp.where(x >= 0, jnp.ones_like(t), t) / (1.0 + t)
+
+
+@sigmoid.defjvp
+def _sigmoid_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    t = _neg_exp_abs(x)
+    return sigmoid(x), t / ((1.0 + t) * (1.0 + t)) * dx  # sigmoid' = t / (1 + t)^2, finite
+
+
+@jax.custom_jvp
+def softplus(x: jax.Array) -> jax.Array:
+    """``log(1 + exp(x)) = max(x, 0) + log1p(exp(-|x|))``, stable and exact at any input."""
+    return jnp.maximum(x, 0.0) + jnp.log1p(_neg_exp_abs(x))
+
+
+@softplus.defjvp
+def _softplus_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    return softplus(x), sigmoid(x) * dx
+
+
 def l2norm(x: jax.Array) -> jax.Array:
     """``x / sqrt(sum(x^2 over the last axis) + L2NORM_EPS)``.
 
@@ -87,21 +129,23 @@ def l2norm(x: jax.Array) -> jax.Array:
 
 
 def gate(act: Activations, g: jax.Array, A_log: jax.Array, dt_bias: jax.Array | None) -> jax.Array:
-    """The fused gate of ``act`` on raw ``g`` ``(..., Hg, dk)``.
+    """The fused gate of ``act`` on raw ``g`` ``(..., Hg, dk)`` (module docstring).
 
     Args:
         act: the activations (``act.gate`` not NONE).
         g: the raw gate input ``(..., Hg, dk)``.
         A_log: ``(Hg,)``.
-        dt_bias: ``(Hg, dk)`` (softplus gate) or None.
+        dt_bias: ``(Hg, dk)``, or None (with ``lower_bound`` only: a bias of 0).
 
     Returns:
         The log decay, shape of ``g``.
     """
-    rate = jnp.exp(A_log)[:, None]  # [Hg, 1]
+    big = jnp.finfo(g.dtype).max
+    rate = jnp.exp(jnp.clip(A_log, *A_LOG_RANGE))[:, None]  # [Hg, 1], finite and > 0
+    x = g if dt_bias is None else g + dt_bias
     if act.gate == GateMode.SOFTPLUS:
-        return -rate * jax.nn.softplus(g + dt_bias)
-    return act.lower_bound * jax.nn.sigmoid(rate * g)
+        return -rate * jnp.minimum(softplus(x), big)  # -inf only by overflow: no 0 * inf
+    return act.lower_bound * sigmoid(rate * jnp.clip(x, -big, big))
 
 
 def apply_activations(
@@ -127,8 +171,8 @@ def apply_activations(
     if act.qk_l2norm:
         q, k = l2norm(up(q)).astype(dtype), l2norm(up(k)).astype(dtype)
     if act.bw_sigmoid:
-        b = ((2.0 if act.neg_eigval else 1.0) * jax.nn.sigmoid(up(b))).astype(dtype)
-        w = jax.nn.sigmoid(up(w)).astype(dtype)
+        b = ((2.0 if act.neg_eigval else 1.0) * sigmoid(up(b))).astype(dtype)
+        w = sigmoid(up(w)).astype(dtype)
     if act.gate != GateMode.NONE:
         bias = None if dt_bias is None else up(dt_bias)
         g = gate(act, up(g), up(A_log), bias).astype(dtype)

@@ -1,9 +1,9 @@
 """Packed sequences: validating ``segment_ids`` / ``cu_seqlens`` and the token layouts they imply.
 
-- ``segment_ids`` ``(B, T)``, any integer dtype: a sequence starts at token 0 and wherever the id
+- ``segment_ids`` ``(B, T)``, any integer dtype (an array, or a nested list of integers): a sequence starts at token 0 and wherever the id
   differs from the previous token's. The state is reset to zero at every start except token 0,
   where ``h0`` enters; ``h_final`` is the state after the last token of the row.
-- ``cu_seqlens`` ``(N + 1,)``, integer, B = 1 (fla's convention): sequence ``n`` is tokens
+- ``cu_seqlens`` ``(N + 1,)``, integer (an array or a list), B = 1 (fla's convention): sequence ``n`` is tokens
   ``cu_seqlens[n]:cu_seqlens[n + 1]`` (possibly empty); every sequence starts from ``h0[n]`` and
   ``h_final[n]`` is its last state (``h0[n]`` for an empty one).
 
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdn2core.options import SegmentMode
+from gdn2core.options import SegmentMode, as_index_array
 
 
 def _is_traced(x: Any) -> bool:
@@ -34,8 +34,9 @@ def check_segments(
     """Validate the packed-sequence arguments of a call.
 
     Args:
-        segment_ids: None or a ``(B, T)`` integer array.
-        cu_seqlens: None or an ``(N + 1,)`` integer array (B must be 1).
+        segment_ids: None or a ``(B, T)`` integer array (a nested list or tuple of integers is
+            taken as ``jnp.asarray`` of it).
+        cu_seqlens: None or an ``(N + 1,)`` integer array or list (B must be 1).
         batch, seq_len: B and T of the call.
 
     Returns:
@@ -46,6 +47,8 @@ def check_segments(
         ValueError: a wrong shape, B > 1 with cu_seqlens, both given, or (when concrete) offsets
             not starting at 0, decreasing, or not ending at T.
     """
+    segment_ids = as_index_array("segment_ids", segment_ids)
+    cu_seqlens = as_index_array("cu_seqlens", cu_seqlens)
     if segment_ids is not None and cu_seqlens is not None:
         raise ValueError(
             "segment_ids, cu_seqlens: expected at most one of them, got both (segment_ids marks "
@@ -78,7 +81,9 @@ def check_segments(
 
 def _expect_integer_array(name: str, x: Any) -> None:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"{name}: expected an integer array, got {type(x).__name__}")
+        raise TypeError(
+            f"{name}: expected an integer array or a list of integers, got {type(x).__name__}"
+        )
     dt = jnp.dtype(x.dtype)
     if not jnp.issubdtype(dt, jnp.integer):
         raise TypeError(f"{name}: expected an integer dtype, got {dt.name}")
@@ -141,7 +146,7 @@ def varlen_layout(cu_seqlens: jax.Array, seq_len: int) -> tuple[jax.Array, jax.A
         (empty sequences hold no token), ``start[t]`` whether ``t == cu_seqlens[n]``, ``end[t]``
         whether ``t == cu_seqlens[n + 1] - 1``.
     """
-    cu = cu_seqlens.astype(jnp.int32)
+    cu = jnp.asarray(cu_seqlens).astype(jnp.int32)  # a NumPy array cannot be indexed by a tracer
     t = jnp.arange(seq_len, dtype=jnp.int32)  # [T]
     seq = jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32)  # [T]
     n = cu.shape[0] - 1

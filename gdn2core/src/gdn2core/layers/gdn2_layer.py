@@ -22,8 +22,11 @@ gate and the state have HV heads; value head ``j`` reads key head ``j // (HV // 
 (``a_proj``/``b_proj`` to ``num_v_heads``); ``key_head_gates=True`` puts them on the H key heads
 instead, which lets the operator compute the key side once per group.
 
-Packed sequences: ``segment_ids`` and ``attention_mask`` (``__call__``) reset both the state and
-the short convolutions' windows at every sequence start.
+Packed sequences: ``segment_ids`` (``__call__``) resets both the state and the short
+convolutions' windows at every sequence start. Padding: ``attention_mask`` removes the padded
+tokens before the mixer runs, as fla's layers unpad (``index_first_axis`` on the mask's indices):
+the tokens of a row are one sequence however the padding falls (left, right, or between tokens,
+where the state and the convolutions carry across the gap), and the output is 0 at padding.
 
 Serving: :meth:`GDN2Layer.init_cache` and ``layer(x, cache=cache) -> (y, new_cache)`` carry
 the short convolutions' last inputs and the recurrent state from call to call: a prompt runs the
@@ -40,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +52,7 @@ from flax import nnx
 from gdn2core.config import KernelConfig
 from gdn2core.features.segments import segment_starts
 from gdn2core.ops.decode.api import gdn2_decode
+from gdn2core.ops.decode.spec import POOL_DTYPES
 from gdn2core.ops.forward.api import gdn2_forward, gdn2_forward_trainable
 from gdn2core.registry import get_backend
 from gdn2core.selection import AUTO
@@ -84,7 +89,9 @@ def sequence_starts(
 
     A sequence starts at token 0, wherever ``segment_ids`` changes, and wherever
     ``attention_mask`` switches between token (non-zero) and padding (0): every run of tokens and
-    every run of padding is a sequence of its own, so padding never reaches a token.
+    every run of padding is a sequence of its own, so padding never reaches a token. The layer
+    calls it on rows already unpadded by :func:`unpad_order` (the tokens first, the padding
+    after them), so a gap between tokens does not split a row.
 
     Args:
         shape: ``(B, T)`` of the layer input.
@@ -107,6 +114,36 @@ def sequence_starts(
         change = segment_starts(jnp.asarray(x) if name == "segment_ids" else jnp.asarray(x) != 0)
         starts = change if starts is None else starts | change
     return starts
+
+
+def unpad_order(attention_mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The permutation that moves each row's tokens to its front, as fla unpads a batch.
+
+    fla's layers drop the padded positions (``get_unpad_data`` / ``index_first_axis``) and run the
+    remaining tokens of each row as one sequence. With static shapes the same is a stable
+    permutation per row: the tokens first, in their order, then the padding.
+
+    Args:
+        attention_mask: ``(B, T)``, non-zero for a token and 0 for padding.
+
+    Returns:
+        ``(order, inverse, packed_mask)``, each ``(B, T)``: ``x[b, order[b, i]]`` is the ``i``-th
+        token of row ``b`` (padding after the tokens); ``inverse`` undoes it
+        (``take_along_axis(packed, inverse)`` puts every position back); ``packed_mask`` is True
+        at the tokens of the reordered row (its first ``count`` positions).
+    """
+    keep = jnp.asarray(attention_mask) != 0  # [B, T]
+    order = jnp.argsort(jnp.where(keep, 0, 1), axis=1, stable=True)  # [B, T] tokens, then padding
+    inverse = jnp.argsort(order, axis=1, stable=True)  # [B, T]
+    count = jnp.sum(keep, axis=1, dtype=jnp.int32)  # [B]
+    packed_mask = jnp.arange(keep.shape[1], dtype=jnp.int32)[None, :] < count[:, None]
+    return order, inverse, packed_mask
+
+
+def _take(x: jax.Array, index: jax.Array) -> jax.Array:
+    """``x[b, index[b, t], ...]``: ``x`` ``(B, T, ...)`` reordered along time by ``index``."""
+    index = index.reshape(index.shape + (1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, index, axis=1)
 
 
 def positions_in_segment(starts: jax.Array) -> jax.Array:
@@ -320,18 +357,40 @@ class GDN2Layer(nnx.Module):
             allow_neg_eigval=self.lift_b,
         )
 
+    def state_dtypes(self) -> tuple[str, ...]:
+        """The dtypes :meth:`init_cache` accepts for the state: float32 and bfloat16 (the decode
+        op's pool dtypes), and float64 for a layer that runs in float64."""
+        wide = jnp.dtype(self.dtype) == jnp.float64
+        return (*POOL_DTYPES, "float64") if wide else POOL_DTYPES
+
     def init_cache(self, batch: int, *, state_dtype=jnp.float32) -> GDN2Cache:
         """The cache of ``batch`` sequences that have seen no token (zeros), for serving.
 
         Args:
-            batch: B.
+            batch: B, a positive integer.
             state_dtype: the recurrent state's dtype: float32, or bfloat16 to halve the memory a
                 serving batch needs (the decode op computes in float32 and rounds once per call;
-                docs/operator.md measures the cost).
+                docs/operator.md measures the cost); float64 too for a layer with
+                ``dtype=float64``.
 
         Returns:
             The :class:`GDN2Cache`.
+
+        Raises:
+            ValueError: ``batch`` not a positive integer.
+            TypeError: ``state_dtype`` none of :meth:`state_dtypes` (an integer state would be
+                truncated to zero, a float16 one is refused by the decode op).
         """
+        if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 1:
+            raise ValueError(f"batch: expected a positive integer, got {batch!r}")
+        batch = int(batch)
+        allowed = self.state_dtypes()
+        try:
+            name = jnp.dtype(state_dtype).name
+        except TypeError:
+            name = repr(state_dtype)
+        if name not in allowed:
+            raise TypeError(f"state_dtype: expected {' or '.join(allowed)}, got {name}")
         H, HV, dk, dv = self.num_heads, self.num_v_heads, self.dk, self.dv
 
         def conv(layer: ShortConv | None, channels: int) -> jax.Array | None:
@@ -343,8 +402,49 @@ class GDN2Layer(nnx.Module):
             conv_q=conv(self.q_conv, H * dk),
             conv_k=conv(self.k_conv, H * dk),
             conv_v=conv(self.v_conv, HV * dv),
-            state=jnp.zeros((batch, HV, dk, dv), state_dtype),
+            state=jnp.zeros((batch, HV, dk, dv), name),
         )
+
+    def _check_x(self, x) -> tuple[int, int]:
+        """``(B, T)`` of the layer input; ValueError unless it is ``(B, T, d_model)``."""
+        shape = tuple(int(d) for d in jnp.shape(x))
+        if len(shape) != 3 or shape[2] != self.d_model or min(shape) < 1:
+            raise ValueError(
+                f"x: expected shape (B, T, d_model) = (B, T, {self.d_model}) with B, T >= 1, "
+                f"got {shape}"
+            )
+        return shape[0], shape[1]
+
+    def _check_cache(self, cache, batch: int) -> None:
+        """TypeError / ValueError unless ``cache`` is this layer's cache of ``batch`` rows."""
+        if not isinstance(cache, GDN2Cache):
+            raise TypeError(
+                f"cache: expected a GDN2Cache (layer.init_cache(B)), got {type(cache).__name__}"
+            )
+        H, HV, dk, dv = self.num_heads, self.num_v_heads, self.dk, self.dv
+        expected = {"state": (batch, HV, dk, dv)}
+        for name, layer, channels in (
+            ("conv_q", self.q_conv, H * dk),
+            ("conv_k", self.k_conv, H * dk),
+            ("conv_v", self.v_conv, HV * dv),
+        ):
+            expected[name] = None if layer is None else (batch, layer.kernel_size - 1, channels)
+        for name, want in expected.items():
+            value = getattr(cache, name)
+            got = None if value is None else tuple(int(d) for d in jnp.shape(value))
+            if got != want:
+                what = "None (no short convolutions)" if want is None else f"shape {want}"
+                raise ValueError(
+                    f"cache.{name}: expected {what} for x of batch B = {batch}, got "
+                    f"{'None' if got is None else f'shape {got}'} (layer.init_cache(B) makes "
+                    "the cache of B rows)"
+                )
+        allowed = self.state_dtypes()
+        if jnp.dtype(cache.state.dtype).name not in allowed:
+            raise TypeError(
+                f"cache.state: expected dtype {' or '.join(allowed)}, got "
+                f"{jnp.dtype(cache.state.dtype).name}"
+            )
 
     def _inputs(self, x: jax.Array, positions: jax.Array | None, cache: GDN2Cache | None):
         """The operator's raw q, k, v, w, b, g (it applies the activations, :meth:`fused_options`)
@@ -404,31 +504,39 @@ class GDN2Layer(nnx.Module):
                 restart from zero there (``h0`` enters the first sequence of each row, the final
                 state leaves the last one).
             attention_mask: ``(B, T)``, non-zero for a token and 0 for padding (any side, any
-                dtype). Each run of tokens and each run of padding becomes a sequence of its own
-                (with ``segment_ids`` too, both split), so padding never reaches a token; a row
-                with padding between tokens is split there into separate sequences. ``y`` is 0 at
-                padded positions (and so passes no gradient there). Not with ``h0`` or
-                ``return_state``: the state entering or leaving a row could be a padding run's.
+                dtype), fla's unpadding: the padded positions are removed before the mixer runs,
+                so the tokens of a row form one sequence wherever the padding is (at the left,
+                the right, or between tokens: the state and the short convolutions carry across
+                the gap, as if the padding were not there); ``y`` is 0 at padded positions (and
+                passes no gradient there). With ``segment_ids`` too, a sequence starts wherever
+                the id changes from one token to the next token (padding skipped). ``h0`` enters
+                each row's first token. Not with ``return_state``: the row's final state would
+                be its padding's.
             cache: serving (inference only): the :class:`GDN2Cache` of the tokens before ``x``
-                (:meth:`init_cache` for none); the call returns ``(y, new_cache)`` and takes no
-                ``h0``, ``return_state``, ``segment_ids`` or ``attention_mask`` (one sequence per
-                row). A prompt (prefill) runs the chunked forward from the cached state; new
-                tokens (decode steps) run :func:`gdn2core.gdn2_decode` on it.
+                (:meth:`init_cache` for none), of the same batch B; the call returns
+                ``(y, new_cache)`` and takes no ``h0``, ``return_state``, ``segment_ids`` or
+                ``attention_mask`` (one sequence per row). A prompt (prefill) runs the chunked
+                forward from the cached state; new tokens (decode steps) run
+                :func:`gdn2core.gdn2_decode` on it.
             decode: with ``cache``, run the decode op (True) or the chunked forward (False);
                 None: the decode op for one token per sequence, else the chunked forward. Both
-                compute the same operator.
+                compute the same operator. ``decode=True`` needs ``cache``.
 
         Returns:
             ``y`` ``(B, T, d_model)``; ``(y, h_final)`` with ``return_state``; ``(y, new_cache)``
             with ``cache``.
 
         Raises:
-            ValueError: ``segment_ids`` or ``attention_mask`` not ``(B, T)``; ``attention_mask``
-                with ``h0`` or ``return_state``; ``cache`` with any of ``h0``, ``return_state``,
-                ``segment_ids``, ``attention_mask``.
-            TypeError: ``segment_ids`` not integer.
+            ValueError: ``x`` not ``(B, T, d_model)``; ``segment_ids`` or ``attention_mask`` not
+                ``(B, T)``; ``attention_mask`` with ``return_state``; ``cache`` with any of
+                ``h0``, ``return_state``, ``segment_ids``, ``attention_mask``, or of another
+                batch size or layer; ``decode=True`` without ``cache``.
+            TypeError: ``segment_ids`` not integer; ``cache`` not a :class:`GDN2Cache`, or its
+                state of a dtype :meth:`init_cache` refuses; ``decode`` not a bool or None.
         """
-        B, T, _ = x.shape
+        B, T = self._check_x(x)
+        if decode is not None and not isinstance(decode, bool):
+            raise TypeError(f"decode: expected True, False or None, got {type(decode).__name__}")
         if cache is not None:
             given = [
                 name
@@ -445,15 +553,36 @@ class GDN2Layer(nnx.Module):
                     f"cache: the cache holds the state of one sequence per row; pass none of "
                     f"h0, return_state, segment_ids, attention_mask with it, got {', '.join(given)}"
                 )
-            return self._serve(x.astype(self.dtype), cache, decode)
-        if attention_mask is not None and (h0 is not None or return_state):
+            self._check_cache(cache, B)
+            return self._serve(jnp.asarray(x).astype(self.dtype), cache, decode)
+        if decode:
             raise ValueError(
-                "attention_mask: not with h0 or return_state (the state entering or leaving a row "
-                "would be a padding run's); pass segment_ids for packed rows that carry a state"
+                "decode: decode=True needs cache=... (the decode op advances a cached state: "
+                "cache = layer.init_cache(B); y, cache = layer(x, cache=cache, decode=True)); "
+                "without a cache the layer runs the chunked forward"
             )
-        starts = sequence_starts((B, T), segment_ids, attention_mask)
+        if attention_mask is not None and return_state:
+            raise ValueError(
+                "attention_mask: not with return_state (the final state of a row with padding "
+                "after its last token would be the padding's); pass segment_ids for packed rows "
+                "that return a state"
+            )
+        x = jnp.asarray(x).astype(self.dtype)
+        if attention_mask is None:
+            y, h_final = self._mix(x, h0, sequence_starts((B, T), segment_ids))
+            return (y, h_final) if return_state else y
+        sequence_starts((B, T), segment_ids, attention_mask)  # the shapes and dtypes, named
+        order, inverse, packed = unpad_order(attention_mask)
+        ids = None if segment_ids is None else _take(jnp.asarray(segment_ids), order)
+        y, _ = self._mix(_take(x, order), h0, sequence_starts((B, T), ids, packed))
+        keep = jnp.asarray(attention_mask) != 0
+        return jnp.where(keep[..., None], _take(y, inverse), 0)
+
+    def _mix(
+        self, x: jax.Array, h0: jax.Array | None, starts: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array]:
+        """``(y, h_final)`` of the chunked op over ``x``, sequences starting at ``starts``."""
         positions = None if starts is None else positions_in_segment(starts)
-        x = x.astype(self.dtype)
         xs, _ = self._inputs(x, positions, None)
         seg = None if starts is None else jnp.cumsum(starts, axis=1, dtype=jnp.int32)
         o, h_final = gdn2_forward_trainable(
@@ -469,10 +598,7 @@ class GDN2Layer(nnx.Module):
             segment_ids=seg,
             **self.fused_options(),
         )
-        y = self._output(x, o)
-        if attention_mask is not None:
-            y = jnp.where((jnp.asarray(attention_mask) != 0)[..., None], y, 0)
-        return (y, h_final) if return_state else y
+        return self._output(x, o), h_final
 
     def _serve(
         self, x: jax.Array, cache: GDN2Cache, decode: bool | None
@@ -485,8 +611,7 @@ class GDN2Layer(nnx.Module):
                 *xs, state, scale=self.scale, config=self.config, backend=self.backend, **fused
             )
         else:
-            o, h_final = gdn2_forward(
-                *xs, self.scale, state.astype(jnp.float32), self.config, self.backend, **fused
-            )
+            h0 = state.astype(jnp.promote_types(state.dtype, jnp.float32))  # bf16 -> f32; f64 kept
+            o, h_final = gdn2_forward(*xs, self.scale, h0, self.config, self.backend, **fused)
             state = h_final.astype(state.dtype)
         return self._output(x, o), GDN2Cache(cq, ck, cv, state)

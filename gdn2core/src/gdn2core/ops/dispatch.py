@@ -38,6 +38,7 @@ def run_backend(
 ) -> tuple[jax.Array, ...]:
     """Run one validated call on its backend: ``forward``, ``forward_trainable`` or, with
     ``chunk_states``, ``forward_chunk_states``; once, or once per shard on a multi-device mesh.
+    A call without tokens (``T = 0``) runs no backend: :func:`empty_call` answers it.
 
     Args:
         backend: the chosen backend.
@@ -59,15 +60,18 @@ def run_backend(
         ValueError: ``chunk_states`` on a multi-device mesh.
     """
     placed = args[0]  # the user's q: its sharding locates the mesh
+    user_h0 = h0
     view, inputs, h0, backend_extras = _backend_inputs(backend, spec, args, h0, extras)
     plan = resolve_plan(view, placed, **sharding)
     more = {} if backend_extras is None else {"extras": backend_extras}
+    if chunk_states and plan is not None:
+        raise ValueError(
+            "return_chunk_states: expected a single-device call, got a multi-device mesh "
+            "(chunk states are not gathered across shards)"
+        )
+    if spec.seq_len == 0:
+        return empty_call(spec, args[2].dtype, user_h0, chunk_states)
     if chunk_states:
-        if plan is not None:
-            raise ValueError(
-                "return_chunk_states: expected a single-device call, got a multi-device mesh "
-                "(chunk states are not gathered across shards)"
-            )
         o, h, chunks = backend.forward_chunk_states(*inputs, h0, spec=view, config=config, **more)
         return (*ungroup_outputs(spec, o, h), ungroup_state(spec, chunks))
     method = backend.forward_trainable if trainable else backend.forward
@@ -80,6 +84,31 @@ def run_backend(
             check_vma=backend.shard_map_check_vma,
         )  # fmt: skip
     return ungroup_outputs(spec, o, h)
+
+
+def empty_call(
+    spec: OpSpec, v_dtype, h0: jax.Array, chunk_states: bool = False
+) -> tuple[jax.Array, ...]:
+    """The result of a call without tokens (``T = 0``), for every backend alike: no backend runs.
+
+    Nothing happens to the state, so ``o`` is empty and ``h_final`` is ``h0`` (per sequence with
+    ``cu_seqlens``, whose sequences are all empty); gradients follow by autodiff: zero-size ones
+    for q..g, ``A_log`` and ``dt_bias`` zero, ``dh0 = dh_final``. There is no chunk, so
+    ``chunk_states`` (``ceil(0 / bt)`` entries) is empty too (docs/operator.md, "Edges").
+
+    Args:
+        spec: the validated spec of the call (user layout), ``spec.seq_len == 0``.
+        v_dtype: the dtype of v (that of ``o``).
+        h0: the initial state ``(L, HV, dk, dv)`` in the state dtype.
+        chunk_states: also return the (empty) chunk states ``(B, 0, HV, dk, dv)``.
+
+    Returns:
+        ``(o, h_final)`` or ``(o, h_final, chunk_states)``.
+    """
+    o = jnp.zeros((spec.batch, 0, spec.value_heads, spec.dv), v_dtype)  # [B, 0, HV, dv]
+    if not chunk_states:
+        return o, h0
+    return o, h0, jnp.zeros((spec.batch, 0, *h0.shape[1:]), h0.dtype)  # [B, 0, HV, dk, dv]
 
 
 def _backend_inputs(backend: Backend, spec: OpSpec, args, h0, extras: OpExtras):

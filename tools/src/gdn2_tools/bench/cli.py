@@ -71,8 +71,18 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="comma-separated rows (backend names, or reference_grad); default: all",
     )
     p.add_argument("--dtypes", type=_csv, default=list(DTYPES), help="default float32,bfloat16")
-    p.add_argument("--config", choices=sorted(PRESETS), default=None, help="KernelConfig preset")
-    p.add_argument("--out", type=Path, default=Path("bench-results"), help="report folder")
+    p.add_argument(
+        "--config",
+        choices=sorted(PRESETS),
+        default=None,
+        help="KernelConfig preset (default: none, each op's default config)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-results"),
+        help="report folder (default %(default)s)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -180,7 +190,7 @@ def bench_main(argv: Sequence[str]) -> int:
         help="cut the repeats of a program whose warm-up run took w seconds to max(3, S / w) "
         "(default 10; 0 disables: always --repeats)",
     )
-    p.add_argument("--seed", type=int, default=0, help="input seed")
+    p.add_argument("--seed", type=int, default=0, help="input seed (default %(default)s)")
     p.add_argument("--plot", action="store_true", help="also write bench.png (time against T)")
     p.add_argument(
         "--interpret",
@@ -202,7 +212,7 @@ def bench_main(argv: Sequence[str]) -> int:
         help="shard the batch over N devices (simulated CPU devices when fewer are present; "
         "re-runs itself in a subprocess): checks outputs and gradients against the "
         "single-device reference; timings are not a speed claim. Every B must divide by N. "
-        "Reports go to --out/devices-N",
+        "Reports go to --out/devices-N (default 1: no sharding)",
     )
     args = p.parse_args(list(argv))
     _check_dtypes(args.dtypes)
@@ -304,8 +314,8 @@ def memory_main(argv: Sequence[str]) -> int:
         "--target",
         choices=("v5e", "v6e"),
         default=None,
-        help="compile for this TPU without one (libtpu); default rows: the backends auto may pick "
-        "on a TPU",
+        help="compile for this TPU without one (libtpu); its default rows: the backends auto may "
+        "pick on a TPU (default: none, compile and measure here)",
     )
     p.add_argument(
         "--rss",

@@ -57,7 +57,8 @@ class DecodeShape:
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gdn2 bench --decode", description=__doc__.splitlines()[0])
+    summary = " ".join(__doc__.split("\n\n")[0].split())  # the whole first paragraph
+    p = argparse.ArgumentParser(prog="gdn2 bench --decode", description=summary)
     p.add_argument("--sizes", default="1,8,64", help="numbers of sequences N (default 1,8,64)")
     p.add_argument("--tokens", "-S", type=int, default=1, help="tokens per sequence (default 1)")
     p.add_argument("--heads", "-H", type=int, default=16, help="key heads (default 16)")

@@ -4,7 +4,7 @@ The contract is the decode section of ``docs/operator.md``: ``N`` sequences of `
 each; q, k ``(N, S, H, dk)``; v, w ``(N, S, HV, dv)`` with ``HV`` a multiple of ``H`` (grouped
 value heads: value head ``j`` reads key head ``j // (HV / H)``); b, g ``(N, S, H or HV, dk)``; the
 state pool ``(P, HV, dk, dv)`` in float32 or bfloat16 (float64 too for float64 inputs); optional
-``state_indices (N,)``, integers naming each sequence's slot of the pool.
+``state_indices (N,)``, integers (an array, or a list) naming each sequence's slot of the pool.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdn2core.checks import check_common_dtype, check_scale
+from gdn2core.options import as_index_array
 
 #: Pool dtypes for float32 and bfloat16 inputs; float64 inputs may also keep a float64 pool.
 POOL_DTYPES: Final[tuple[str, ...]] = ("float32", "bfloat16")
@@ -192,8 +193,9 @@ class DecodeSpec:
 
 
 def check_state_indices(state_indices: Any, n_seqs: int, pool_size: int) -> None:
-    """Check the slot indices: an integer array of shape ``(N,)``; when concrete (not traced),
-    every entry in ``[0, P)`` and no slot named twice.
+    """Check the slot indices: an integer array of shape ``(N,)`` (or a list or tuple of
+    integers, taken as ``jnp.asarray`` of it); when concrete (not traced), every entry in
+    ``[0, P)`` and no slot named twice.
 
     Args:
         state_indices: the ``state_indices`` argument.
@@ -205,10 +207,11 @@ def check_state_indices(state_indices: Any, n_seqs: int, pool_size: int) -> None
         ValueError: the wrong shape, an index out of range, or a repeated slot (the message lists
             the offending sequences and slots).
     """
+    state_indices = as_index_array("state_indices", state_indices)
     if not hasattr(state_indices, "shape") or not hasattr(state_indices, "dtype"):
         raise TypeError(
-            f"state_indices: expected an integer array of shape (N,) = ({n_seqs},) or None, got "
-            f"{type(state_indices).__name__}"
+            f"state_indices: expected an integer array (or list) of shape (N,) = ({n_seqs},) or "
+            f"None, got {type(state_indices).__name__}"
         )
     if not jnp.issubdtype(state_indices.dtype, jnp.integer):
         raise TypeError(

@@ -34,6 +34,7 @@ from gdn2core.checks import state_dtype
 from gdn2core.features.segments import varlen_layout
 from gdn2core.ops.forward.spec import OpSpec
 from gdn2core.options import (
+    A_LOG_RANGE,
     L2NORM_EPS,
     FeatureArgs,
     Features,
@@ -95,29 +96,7 @@ def token_serial(
     if h0 is None:
         h0 = jnp.zeros((spec.state_rows, HV, dk, dv), acc)
     h0 = h0.astype(acc)
-    # Per value head j: the key head it reads and the gate head it uses.
-    key_head = jnp.arange(HV) // spec.groups  # [HV]
-    gate_head = key_head if spec.gate_heads == spec.heads else jnp.arange(HV)  # [HV]
-    act = spec.activations
-    A_log = None if extras.A_log is None else extras.A_log.astype(acc)
-    dt_bias = None if extras.dt_bias is None else extras.dt_bias.astype(acc)
-
-    def token(S, x):
-        """One token for every row: S [B, HV, dk, dv] -> (S_t, o_t [B, HV, dv])."""
-        qt, kt, vt, wt, bt, gt = x  # [B, H, dk] x2, [B, HV, dv] x2, [B, Hg, dk] x2
-        if act.qk_l2norm:
-            qt = qt / jnp.sqrt(jnp.sum(qt**2, axis=-1, keepdims=True) + L2NORM_EPS)
-            kt = kt / jnp.sqrt(jnp.sum(kt**2, axis=-1, keepdims=True) + L2NORM_EPS)
-        if act.bw_sigmoid:
-            bt = (2.0 if act.neg_eigval else 1.0) / (1.0 + jnp.exp(-bt))
-            wt = 1.0 / (1.0 + jnp.exp(-wt))
-        if act.gate == GateMode.SOFTPLUS:
-            gt = -jnp.exp(A_log)[:, None] * jnp.logaddexp(0.0, gt + dt_bias)
-        elif act.gate == GateMode.LOWER_BOUND:
-            gt = act.lower_bound / (1.0 + jnp.exp(-jnp.exp(A_log)[:, None] * gt))
-        qt, kt = qt[:, key_head], kt[:, key_head]  # [B, HV, dk]
-        bt, gt = bt[:, gate_head], gt[:, gate_head]  # [B, HV, dk]
-        return token_step(S, qt, kt, vt, wt, bt, gt, spec.scale)  # [B, HV, dk, dv], [B, HV, dv]
+    token = feature_token_step(spec, extras, acc)
 
     # [T, B, heads, d] in the accumulation dtype: the scan runs over the leading axis.
     xs = tuple(jnp.swapaxes(x, 0, 1).astype(acc) for x in (q, k, v, w, b, g))
@@ -151,6 +130,52 @@ def token_serial(
 
         h_final, o = jax.lax.scan(step, h0, (jnp.swapaxes(reset, 0, 1), xs))
     return jnp.swapaxes(o, 0, 1).astype(v.dtype), h_final  # o: [B, T, HV, dv]
+
+
+def feature_token_step(spec: OpSpec, extras: OpExtras, acc):
+    """One token of every row with the model features of ``spec``: grouped value heads and the
+    fused activations, written directly (the token-serial references' step).
+
+    Args:
+        spec: the call's spec (heads, activations, scale).
+        extras: the feature arrays (``A_log``, ``dt_bias``).
+        acc: the accumulation dtype.
+
+    Returns:
+        ``token(S, x) -> (S_t, o_t)``: S ``[B, HV, dk, dv]``, x the raw inputs of one token
+        ``(q [B, H, dk], k, v [B, HV, dv], w, b [B, Hg, dk], g)``, o_t ``[B, HV, dv]``.
+    """
+    HV = spec.value_heads
+    # Per value head j: the key head it reads and the gate head it uses.
+    key_head = jnp.arange(HV) // spec.groups  # [HV]
+    gate_head = key_head if spec.gate_heads == spec.heads else jnp.arange(HV)  # [HV]
+    act = spec.activations
+    if act.gate != GateMode.NONE:
+        # The rate is finite and nonzero, and the factor it multiplies held finite, so that no
+        # gradient is 0 * inf at a saturated gate (docs/operator.md, the gates); dt_bias is
+        # optional with lower_bound (absent: 0).
+        rate = jnp.exp(jnp.clip(extras.A_log.astype(acc), *A_LOG_RANGE))[:, None]  # [Hg, 1]
+        bias = 0.0 if extras.dt_bias is None else extras.dt_bias.astype(acc)  # [Hg, dk]
+        big = jnp.finfo(acc).max
+
+    def token(S, x):
+        """One token for every row: S [B, HV, dk, dv] -> (S_t, o_t [B, HV, dv])."""
+        qt, kt, vt, wt, bt, gt = x  # [B, H, dk] x2, [B, HV, dv] x2, [B, Hg, dk] x2
+        if act.qk_l2norm:
+            qt = qt / jnp.sqrt(jnp.sum(qt**2, axis=-1, keepdims=True) + L2NORM_EPS)
+            kt = kt / jnp.sqrt(jnp.sum(kt**2, axis=-1, keepdims=True) + L2NORM_EPS)
+        if act.bw_sigmoid:  # jax.nn.sigmoid: exact at +-inf, gradient s (1 - s)
+            bt = (2.0 if act.neg_eigval else 1.0) * jax.nn.sigmoid(bt)
+            wt = jax.nn.sigmoid(wt)
+        if act.gate == GateMode.SOFTPLUS:
+            gt = -rate * jnp.minimum(jnp.logaddexp(0.0, gt + bias), big)
+        elif act.gate == GateMode.LOWER_BOUND:  # fla's safe gate
+            gt = act.lower_bound * jax.nn.sigmoid(rate * jnp.clip(gt + bias, -big, big))
+        qt, kt = qt[:, key_head], kt[:, key_head]  # [B, HV, dk]
+        bt, gt = bt[:, gate_head], gt[:, gate_head]  # [B, HV, dk]
+        return token_step(S, qt, kt, vt, wt, bt, gt, spec.scale)  # [B, HV, dk, dv], [B, HV, dv]
+
+    return token
 
 
 def token_step(S, qt, kt, vt, wt, bt, gt, scale: float):
