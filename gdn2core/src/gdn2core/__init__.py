@@ -25,6 +25,9 @@ from gdn2core.ops.decode.spec import DecodeSpec
 from gdn2core.ops.forward.api import gdn2_forward, gdn2_forward_trainable, which_backend
 from gdn2core.ops.forward.reference import gdn2_token_serial_reference
 from gdn2core.ops.forward.spec import OpSpec
+from gdn2core.ops.ragged.api import gdn2_ragged
+from gdn2core.ops.ragged.reference import gdn2_ragged_reference
+from gdn2core.ops.ragged.spec import RaggedSpec
 from gdn2core.options import Activations, FeatureArgs, Features, GateMode, OpExtras, SegmentMode
 from gdn2core.platform import is_tpu_available
 from gdn2core.registry import (
@@ -61,6 +64,7 @@ __all__ = [
     "KernelConfig",
     "OpExtras",
     "OpSpec",
+    "RaggedSpec",
     "SegmentMode",
     "Verdict",
     "estimate_memory",
@@ -68,6 +72,8 @@ __all__ = [
     "gdn2_decode_reference",
     "gdn2_forward",
     "gdn2_forward_trainable",
+    "gdn2_ragged",
+    "gdn2_ragged_reference",
     "gdn2_token_serial_reference",
     "get_backend",
     "get_recommended_config",

@@ -51,6 +51,8 @@ class Capabilities(BaseModel):
         decode: whether it implements :meth:`Backend.decode` (:func:`gdn2core.gdn2_decode`).
         chunk_states: whether it implements :meth:`Backend.forward_chunk_states`
             (``gdn2_forward(..., return_chunk_states=True)``).
+        continued: its ``forward`` takes ``extras.continues`` with ``cu_seqlens`` (sequences
+            that continue the state of the one before; the ragged op's one-pass path).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -67,6 +69,7 @@ class Capabilities(BaseModel):
     fused_activations: bool = False
     decode: bool = False
     chunk_states: bool = False
+    continued: bool = False
 
     def view(self, spec: OpSpec) -> OpSpec:
         """The spec this backend sees for a call of ``spec``: grouped value heads resolved
@@ -107,6 +110,8 @@ class Capabilities(BaseModel):
             return Verdict(
                 False, "cu_seqlens: variable-length sequences not supported (varlen=False)"
             )
+        if spec.continued and not self.continued:
+            return Verdict(False, "continued sequences not supported (continued=False)")
         return YES
 
     def describe(self) -> str:
@@ -125,7 +130,11 @@ class Capabilities(BaseModel):
         ]
         extras = [
             name
-            for name, on in (("decode", self.decode), ("chunk states", self.chunk_states))
+            for name, on in (
+                ("decode", self.decode),
+                ("chunk states", self.chunk_states),
+                ("continued sequences", self.continued),
+            )
             if on
         ]
         if extras:

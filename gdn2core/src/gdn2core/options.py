@@ -196,12 +196,18 @@ class OpExtras:
         A_log: ``(H,)`` in the state dtype, with a fused gate; differentiable.
         dt_bias: ``(H, dk)`` in the state dtype, with the softplus gate (and with
             ``lower_bound`` when given); differentiable.
+        continues: ``(N,)`` bool, with ``cu_seqlens`` in a forward (never a trainable call):
+            sequence ``n`` continues from the state the sequence before it left, and its
+            ``h0[n]`` is not read (the ragged op cuts a request into such pieces to store the
+            states between them). Set only by the core, for backends that declare
+            ``Capabilities.continued``; not a keyword of the public functions.
     """
 
     segment_ids: Any = None
     cu_seqlens: Any = None
     A_log: Any = None
     dt_bias: Any = None
+    continues: Any = None
 
 
 class FeatureArgs(TypedDict, total=False):

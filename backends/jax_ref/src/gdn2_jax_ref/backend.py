@@ -54,7 +54,9 @@ class JaxRefBackend(Backend):
 
     name = "jax_ref"
     priority = 100
-    capabilities = Capabilities(segments=True, varlen=True, decode=True, chunk_states=True)
+    capabilities = Capabilities(
+        segments=True, varlen=True, decode=True, chunk_states=True, continued=True
+    )
 
     def supports(self, spec: OpSpec, config: KernelConfig) -> Verdict:
         """A core config with an even ``bt``, or a :class:`JaxRefConfig`; not another backend's
@@ -85,9 +87,11 @@ class JaxRefBackend(Backend):
         """The chunked forward (see :class:`gdn2core.plugin.Backend`)."""
         params = ChunkParams.from_spec(spec, config)
         segment_ids, cu_seqlens = _packing(extras)
+        continues = None if extras is None else extras.continues
         o, h_final, _ = gdn2_chunk_forward(
-            q, k, v, w, b, g, h0, params, segment_ids=segment_ids, cu_seqlens=cu_seqlens
-        )
+            q, k, v, w, b, g, h0, params, segment_ids=segment_ids, cu_seqlens=cu_seqlens,
+            continues=continues,
+        )  # fmt: skip
         return o, h_final.astype(h0.dtype)
 
     def forward_trainable(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from gdn2_jax_ref.chunk import Blocking, PlainRows
 from gdn2_jax_ref.local import ChunkLocal, chunk_local
@@ -37,6 +37,7 @@ def plan_rows(
     v: Float[Array, "B T H V"],
     params: ChunkParams,
     cu_seqlens: Int[Array, " N1"] | None = None,
+    continues: Bool[Array, " N"] | None = None,
 ) -> tuple[Blocking, PlainRows | VarlenRows, VarlenLayout | None]:
     """The group plan of one call and its group I/O (shared by forward and backward, so their
     groups agree). With ``cu_seqlens`` the chunks cover the static length of
@@ -48,7 +49,7 @@ def plan_rows(
         return blk, PlainRows(blk), None
     length = varlen_length(seq, cu_seqlens.shape[0] - 1, params.bt)  # static
     blk = Blocking.plan(length, params.bt, row_bytes)
-    layout = VarlenLayout.build(cu_seqlens, seq, params.bt, blk.n_chunks)
+    layout = VarlenLayout.build(cu_seqlens, seq, params.bt, blk.n_chunks, continues)
     return blk, VarlenRows(layout, blk), layout
 
 
@@ -122,16 +123,18 @@ def gdn2_chunk_forward(
     keep_states: bool = False,
     segment_ids: Int[Array, "B T"] | None = None,
     cu_seqlens: Int[Array, " N1"] | None = None,
+    continues: Bool[Array, " N"] | None = None,
 ) -> tuple[Float[Array, "B T H V"], Float[Array, "B H K V"], Float[Array, "n B H K V"] | None]:
     """Chunkwise GDN-2 forward. Returns ``(o, h_final, states)``: o in v's dtype, h_final and the
     group-entry states (None unless ``keep_states``) in the accumulation dtype.
 
     Packed sequences: ``segment_ids`` (:mod:`gdn2_jax_ref.segments`): h0 enters each row's first
     sequence and h_final leaves its last; or ``cu_seqlens`` (:mod:`gdn2_jax_ref.varlen`, B = 1):
-    h0 and h_final are per sequence, ``(N, H, K, V)``.
+    h0 and h_final are per sequence, ``(N, H, K, V)``; with ``continues`` too, sequence ``n``
+    starts from the state the one before it left where ``continues[n]`` (its h0 unread).
     """
     o, h_final, states, _ = _chunk_forward(
-        q, k, v, w, b, g, h0, params, keep_states, False, segment_ids, cu_seqlens
+        q, k, v, w, b, g, h0, params, keep_states, False, segment_ids, cu_seqlens, continues
     )
     return o, h_final, states
 
@@ -158,13 +161,13 @@ def gdn2_chunk_forward_chunk_states(
 
 def _chunk_forward(
     q, k, v, w, b, g, h0, params: ChunkParams, keep_states: bool, keep_chunks: bool,
-    segment_ids=None, cu_seqlens=None,
+    segment_ids=None, cu_seqlens=None, continues=None,
 ):  # fmt: skip
     """``(o, h_final, group-entry states | None, chunk-entry states [n, G, B, H, K, V] | None)``
     (see :func:`gdn2_chunk_forward`)."""
     acc = params.acc_dtype
     bsz, seq, heads, _ = q.shape
-    blk, io, varlen = plan_rows(q, v, params, cu_seqlens)
+    blk, io, varlen = plan_rows(q, v, params, cu_seqlens, continues)
     rows = None if segment_ids is None else RowSegments.build(segment_ids, blk)
     h0 = h0.astype(acc)  # [B, H, K, V] or, with cu_seqlens, [N, H, K, V]
     hf0 = None

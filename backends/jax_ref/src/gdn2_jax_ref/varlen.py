@@ -68,9 +68,12 @@ class VarlenLayout:
     n_used: Int[Array, ""]  # chunks that hold a sequence
 
     @classmethod
-    def build(cls, cu_seqlens: Int[Array, " N1"], seq_len: int, bt: int, n_chunks: int):
+    def build(cls, cu_seqlens: Int[Array, " N1"], seq_len: int, bt: int, n_chunks: int,
+              continues: Bool[Array, " N"] | None = None):  # fmt: skip
         """The layout for ``cu_seqlens`` over ``seq_len`` tokens, chunks of ``bt`` and
-        ``n_chunks >= varlen_length(...) / bt`` chunks in the blocking."""
+        ``n_chunks >= varlen_length(...) / bt`` chunks in the blocking. A sequence that
+        ``continues`` (forward only) has no first chunk: the state the chunk before it left
+        enters it (the previous sequence's last chunk, its padding rows zero tokens)."""
         cu = cu_seqlens.astype(jnp.int32)  # [N+1]
         n_seqs = cu.shape[0] - 1
         lens = cu[1:] - cu[:-1]  # [N]
@@ -84,6 +87,8 @@ class VarlenLayout:
         src = jnp.where(used, cu[seq] + offset, seq_len)  # [Nc] unused: the zero padding
         n_rows = jnp.where(used, jnp.minimum(bt, lens[seq] - offset), 0)  # [Nc]
         first = used & (c == first_chunk[seq])  # [Nc]
+        if continues is not None:
+            first = first & ~continues[seq]
         last = used & (c + 1 == first_chunk[seq + 1])  # [Nc]
         return cls(src, n_rows, seq, first, last, lens == 0, first_chunk[-1])
 

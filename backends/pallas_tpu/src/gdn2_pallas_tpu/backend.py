@@ -75,6 +75,7 @@ class PallasTpuBackend(Backend):
         interpret=True,
         segments=True,
         varlen=True,
+        continued=True,
         fused_activations=True,
         decode=True,
     )
@@ -107,9 +108,14 @@ class PallasTpuBackend(Backend):
         capacity = vmem_capacity_bytes(q)
         if spec.segments == SegmentMode.CU_SEQLENS:
             plan = varlen_plan(spec, config, capacity, act)
+            if trainable and extras.continues is not None:
+                raise ValueError(
+                    "extras.continues: continued sequences are forward only (the ragged op), "
+                    "got a trainable call"
+                )
             o, h_final = vjp.gdn2_pallas_varlen(
                 q, k, v, w, b, g, h0, extras.cu_seqlens, plan, trainable,
-                extras.A_log, extras.dt_bias,
+                extras.A_log, extras.dt_bias, extras.continues,
             )  # fmt: skip
         else:
             segments = spec.segments == SegmentMode.IDS

@@ -93,8 +93,15 @@ class Layout:
     )  # [3, t_pad / C] int32: per chunk its sequence, first-chunk and last-chunk flags
 
 
-def layout(cu_seqlens: jax.Array, seq_len: int, C: int, t_pad: int) -> Layout:
-    """The chunk-aligned layout of the sequences ``cu_seqlens`` (N + 1 offsets into T tokens)."""
+def layout(
+    cu_seqlens: jax.Array, seq_len: int, C: int, t_pad: int, continues: jax.Array | None = None
+) -> Layout:
+    """The chunk-aligned layout of the sequences ``cu_seqlens`` (N + 1 offsets into T tokens).
+
+    A sequence that ``continues`` (``(N,)`` bool, forward only) gets no first-chunk flag: the
+    kernel then enters it with the state it carries from the chunk before, the previous
+    sequence's last chunk (whose padding rows are zero tokens, so that state is the previous
+    sequence's final state), and never reads its ``h0``."""
     cu = cu_seqlens.astype(jnp.int32)
     n_seqs = cu.shape[0] - 1
     lengths = cu[1:] - cu[:-1]  # [N]
@@ -110,6 +117,8 @@ def layout(cu_seqlens: jax.Array, seq_len: int, C: int, t_pad: int) -> Layout:
     seq_safe = jnp.minimum(seq_of_chunk, n_seqs - 1)
     used = seq_of_chunk < n_seqs  # chunks after the last sequence belong to none
     first = used & (chunk == first_chunk[seq_safe])
+    if continues is not None:
+        first = first & ~continues[seq_safe]
     last = used & (chunk == end_chunk[seq_safe] - 1)
     table = jnp.stack([seq_safe, first.astype(jnp.int32), last.astype(jnp.int32)])
     return Layout(position.astype(jnp.int32), source, table)

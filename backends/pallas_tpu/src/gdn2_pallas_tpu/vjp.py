@@ -255,11 +255,12 @@ gdn2_pallas_trainable.defvjp(_vjp_fwd, _vjp_bwd)
 
 
 def gdn2_pallas_varlen(q, k, v, w, b, g, seq_h0, cu_seqlens, plan: Plan, trainable: bool,
-                       A_log=None, dt_bias=None):  # fmt: skip
+                       A_log=None, dt_bias=None, continues=None):  # fmt: skip
     """Packed sequences by ``cu_seqlens`` (varlen.py): q..g ``(1, T, H, d)``, ``seq_h0``
     ``(N, H, K, V)``; ``plan`` is the plan of the chunk-aligned row (``seq_len = t_pad``,
-    ``n_seqs = N``). Returns ``(o, seq_h_final)``."""
-    lay = varlen.layout(cu_seqlens, q.shape[1], plan.C, plan.t_pad)
+    ``n_seqs = N``); ``continues`` ``(N,)`` bool or None (forward only: those sequences start
+    from the carried state). Returns ``(o, seq_h_final)``."""
+    lay = varlen.layout(cu_seqlens, q.shape[1], plan.C, plan.t_pad, continues)
     xs = [varlen.to_padded(x, lay) for x in (q, k, v, w, b)]
     # A padding token must leave the state unchanged: g = 0, or with a fused gate the raw value
     # whose activation is 0 (softplus(-inf) = sigmoid(-inf) = 0).

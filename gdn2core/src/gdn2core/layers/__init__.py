@@ -21,5 +21,6 @@ except Exception as err:  # pragma: no cover - depends on the environment
     ) from err
 
 from gdn2core.layers.gdn2_layer import GatedRMSNorm, GDN2Cache, GDN2Layer, ShortConv
+from gdn2core.layers.ragged import GDN2RaggedCache
 
-__all__ = ["GDN2Cache", "GDN2Layer", "GatedRMSNorm", "ShortConv"]
+__all__ = ["GDN2Cache", "GDN2Layer", "GDN2RaggedCache", "GatedRMSNorm", "ShortConv"]

@@ -32,6 +32,8 @@ Serving: :meth:`GDN2Layer.init_cache` and ``layer(x, cache=cache) -> (y, new_cac
 the short convolutions' last inputs and the recurrent state from call to call: a prompt runs the
 chunked forward (prefill), then one token per call runs the decode op (``gdn2_decode``, with the
 same fused options); split anywhere, the outputs are those of one call over the whole sequence.
+:meth:`GDN2Layer.ragged` serves an engine's flat batch of requests against slot pools
+(:mod:`gdn2core.layers.ragged`, ``docs/serving.md``).
 
 The operator contract is ``docs/operator.md``; the parameterisation of the decay follows
 fla's KDA/GDN-2 layers (``A_log`` per head initialised from U(1, 16), ``dt_bias`` per key channel
@@ -51,6 +53,8 @@ from flax import nnx
 
 from gdn2core.config import KernelConfig
 from gdn2core.features.segments import segment_starts
+from gdn2core.layers import ragged
+from gdn2core.layers.ragged import GDN2RaggedCache
 from gdn2core.ops.decode.api import gdn2_decode
 from gdn2core.ops.decode.spec import POOL_DTYPES
 from gdn2core.ops.forward.api import gdn2_forward, gdn2_forward_trainable
@@ -404,6 +408,64 @@ class GDN2Layer(nnx.Module):
             conv_v=conv(self.v_conv, HV * dv),
             state=jnp.zeros((batch, HV, dk, dv), name),
         )
+
+    def init_ragged_cache(self, slots: int, *, state_dtype=jnp.float32) -> GDN2RaggedCache:
+        """The pools of ``slots`` slots (zeros) for :meth:`ragged`: the state ``(P, HV, dk, dv)``
+        and each short convolution's last inputs ``(P, conv_size - 1, channels)``.
+
+        Raises:
+            ValueError: ``slots`` not a positive integer.
+            TypeError: ``state_dtype`` none of :meth:`state_dtypes`.
+        """
+        return ragged.init_ragged_cache(self, slots, state_dtype=state_dtype)
+
+    def ragged(
+        self,
+        x: jax.Array,
+        cache: GDN2RaggedCache,
+        *,
+        cu_seqlens: jax.Array,
+        state_indices: jax.Array,
+        has_initial_state: jax.Array | None = None,
+        checkpoint_every: int | None = None,
+        context_lens: jax.Array | None = None,
+        checkpoint_slots: jax.Array | None = None,
+        draft_slots: jax.Array | None = None,
+        num_decodes: int = 0,
+        decode_len: int = 1,
+    ) -> tuple[jax.Array, GDN2RaggedCache]:
+        """Serve a flat batch of requests (inference only, one device): ``x (T, d_model)``,
+        request ``i`` owning tokens ``cu_seqlens[i]:cu_seqlens[i + 1]``.
+
+        Request ``i`` starts from its slot's convolution windows and state
+        (``state_indices[i]``) when ``has_initial_state[i]`` (else zeros), runs the layer over
+        its tokens (the short convolutions never reach another request's tokens), and leaves its
+        last convolution inputs and its final state in the slot; checkpoint and draft slots get
+        both at the positions where :func:`gdn2core.gdn2_ragged` stores the state
+        (:mod:`gdn2core.layers.ragged`).
+
+        Args:
+            x: ``(T, d_model)``; tokens past ``cu_seqlens[N]`` are padding (``y`` is 0 there and
+                for requests with a negative slot).
+            cache: the :class:`GDN2RaggedCache` of :meth:`init_ragged_cache`.
+            cu_seqlens, state_indices, has_initial_state, checkpoint_every, context_lens,
+                checkpoint_slots, draft_slots, num_decodes, decode_len: the request metadata, as
+                :func:`gdn2core.gdn2_ragged` takes it (traced under ``jax.jit`` but for the
+                static ``checkpoint_every``, ``num_decodes`` and ``decode_len``).
+
+        Returns:
+            ``(y (T, d_model), new_cache)``.
+
+        Raises:
+            ValueError, TypeError: ``x`` not ``(T, d_model)``; ``cache`` not this layer's pools;
+                the operator's errors for the metadata (naming the argument).
+        """
+        return ragged.ragged_call(
+            self, x, cache, cu_seqlens=cu_seqlens, state_indices=state_indices,
+            has_initial_state=has_initial_state, checkpoint_every=checkpoint_every,
+            context_lens=context_lens, checkpoint_slots=checkpoint_slots, draft_slots=draft_slots,
+            num_decodes=num_decodes, decode_len=decode_len,
+        )  # fmt: skip
 
     def _check_x(self, x) -> tuple[int, int]:
         """``(B, T)`` of the layer input; ValueError unless it is ``(B, T, d_model)``."""

@@ -131,5 +131,5 @@ def _backend_inputs(backend: Backend, spec: OpSpec, args, h0, extras: OpExtras):
     if view.segments != SegmentMode.NONE or view.activations.any:
         seg = None if extras.segment_ids is None else as_int32_ids(extras.segment_ids)
         cu = None if extras.cu_seqlens is None else jnp.asarray(extras.cu_seqlens, jnp.int32)
-        backend_extras = OpExtras(seg, cu, A_log, dt_bias)
+        backend_extras = OpExtras(seg, cu, A_log, dt_bias, extras.continues)
     return view, (gq, gk, gv, gw, b, g), gh0, backend_extras

@@ -3,8 +3,10 @@ multi-device mesh) through :mod:`gdn2core.ops.dispatch`."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Unpack
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
@@ -25,7 +27,8 @@ OutChunks = tuple[
 ]
 
 
-def _prepare(args, scale, h0, config, backend, trainable, features: Features, chunk_states=False):
+def _prepare(args, scale, h0, config, backend, trainable, features: Features, chunk_states=False,
+             continued=False):  # fmt: skip
     """Validate a call and choose its backend: ``(spec, config, backend, h0)``."""
     extras = features.extras
     spec = OpSpec.from_inputs(
@@ -33,6 +36,8 @@ def _prepare(args, scale, h0, config, backend, trainable, features: Features, ch
         segment_ids=extras.segment_ids, cu_seqlens=extras.cu_seqlens,
         activations=features.activations, A_log=extras.A_log, dt_bias=extras.dt_bias,
     )  # fmt: skip
+    if continued:
+        spec = dataclasses.replace(spec, continued=True)
     if config is None:
         config = DEFAULT_CONFIG
     elif not isinstance(config, KernelConfig):
@@ -185,6 +190,46 @@ def gdn2_forward_trainable(
     parsed = Features.parse(features, op="gdn2_forward_trainable")
     args = (q, k, v, w, b, g)
     return _call(args, scale, h0, config, backend, True, sharding, parsed)
+
+
+def forward_continued(
+    args: tuple[jax.Array, ...],
+    h0: jax.Array,
+    *,
+    cu_seqlens: jax.Array,
+    continues: jax.Array,
+    scale: float,
+    config: KernelConfig | None,
+    backend: str,
+    **features: Unpack[FeatureArgs],
+) -> Out:
+    """A packed forward whose sequences may continue the state of the one before (the ragged op's
+    one-pass path; inference only, single device). Not a public function: the sequences a caller
+    sees are the ones it packed; the ragged op cuts its requests into pieces and joins them here.
+
+    Args:
+        args: ``(q, k, v, w, b, g)`` of one packed row (B = 1).
+        h0: ``(N, HV, dk, dv)`` per sequence (read only where ``continues`` is false).
+        cu_seqlens: ``(N + 1,)`` offsets.
+        continues: ``(N,)`` bool: sequence ``n`` starts from the state sequence ``n - 1`` left.
+        scale, config, backend, **features: as for :func:`gdn2_forward`.
+
+    Returns:
+        ``(o, h_final)`` as for :func:`gdn2_forward` with ``cu_seqlens``.
+
+    Raises:
+        BackendUnsupportedError: the backend does not declare ``Capabilities.continued``.
+    """
+    parsed = Features.parse({**features, "cu_seqlens": cu_seqlens}, op="forward_continued")
+    extras = dataclasses.replace(parsed.extras, continues=jnp.asarray(continues, bool))
+    parsed = dataclasses.replace(parsed, extras=extras)
+    spec, config, chosen, h0 = _prepare(args, scale, h0, config, backend, False, parsed, False,
+                                        continued=True)  # fmt: skip
+
+    def supports(local: OpSpec):
+        return judge(chosen, local, config, trainable=False, auto=False, platform=None)
+
+    return run_backend(chosen, spec, config, args, h0, extras, {}, supports, trainable=False)
 
 
 def which_backend(

@@ -48,6 +48,7 @@ class OpSpec:
     segments: SegmentMode = SegmentMode.NONE
     n_seqs: int = 0  # N with cu_seqlens, else batch
     activations: Activations = NO_ACTIVATIONS
+    continued: bool = False  # cu_seqlens pieces that continue a state (extras.continues)
 
     def __post_init__(self) -> None:
         if self.value_heads == 0:

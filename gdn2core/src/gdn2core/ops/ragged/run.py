@@ -1,0 +1,204 @@
+"""Running a validated ragged call: the leading decodes on the backend's decode op, the rest on
+its packed forward (:mod:`gdn2core.ops.ragged.pieces`).
+
+A request of one token must not cost a chunk. An engine puts its decodes first (as tpu-inference
+orders its batches) and says how many (``num_decodes``, static, each at most ``decode_len``
+tokens): their tokens are gathered into ``(D, decode_len)`` rows, shorter ones filled with tokens
+that leave the state as it is (``k = 0``, ``g = 0`` after the activations), and run as one decode
+call, at the cost of their tokens and their slots. The packed forward then sees the decodes'
+tokens as one padded piece, so they cost it at most one chunk together, not one each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from gdn2core.checks import state_dtype
+from gdn2core.features.activations import apply_activations
+from gdn2core.ops.decode.spec import DecodeSpec, expand_heads
+from gdn2core.ops.forward.api import forward_continued, gdn2_forward, which_backend
+from gdn2core.ops.ragged import pieces as pc
+from gdn2core.ops.ragged.spec import RaggedSlots, RaggedSpec
+from gdn2core.options import Features
+from gdn2core.platform import call_platform
+from gdn2core.registry import get_backend
+from gdn2core.selection import AUTO, resolve_decode_backend
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """A validated call: the spec, the metadata as int32 arrays, the slots after the rules."""
+
+    spec: RaggedSpec
+    cu: jax.Array  # [N + 1]
+    slots: RaggedSlots
+    flags: jax.Array  # [N] bool has_initial_state
+    context_lens: jax.Array | None  # [N] with checkpoints
+    features: Features
+    raw_features: dict
+    config: object
+    backend: str
+
+
+def start_states(call: Call, pool: jax.Array) -> jax.Array:
+    """``[N, HV, dk, dv]`` each request's initial state: its slot, zeros (a new request or a
+    padded one), NaN (skipped: an invalid index)."""
+    acc = state_dtype(call.spec.dtype)
+    slots = call.slots
+    read = slots.state >= 0
+    start = jnp.take(pool, jnp.where(read, slots.state, 0), axis=0).astype(acc)
+    start = jnp.where((read & call.flags)[:, None, None, None], start, 0.0)
+    return jnp.where(slots.skipped[:, None, None, None], jnp.nan, start)
+
+
+def run_decodes(call: Call, x, pool: jax.Array, o: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The first ``num_decodes`` requests on the backend's decode op.
+
+    Args:
+        call: the call.
+        x: the flat ``(q, k, v, w, b, g)``.
+        pool: the pool.
+        o: ``[T, HV, dv]`` the outputs so far.
+
+    Returns:
+        ``(o, pool)`` with the decodes' outputs and slots (final, checkpoint and draft states).
+    """
+    spec = call.spec
+    d, s = spec.num_decodes, spec.decode_len
+    cu, slots = call.cu, call.slots
+    lens = cu[1 : d + 1] - cu[:d]  # [D]
+    j = jnp.arange(s, dtype=jnp.int32)  # [S]
+    real = j[None] < lens[:, None]  # [D, S]
+    where = jnp.where(real, cu[:d, None] + j[None], 0)  # [D, S] flat token of each
+    q, k, v, w, b, g = (jnp.take(a, where, axis=0) for a in x)  # [D, S, heads, d]
+    act = call.features.activations
+    if act.any:
+        extras = call.features.extras
+        q, k, w, b, g = apply_activations(act, q, k, w, b, g, extras.A_log, extras.dt_bias)
+    keep = real[:, :, None, None]
+    k, g = jnp.where(keep, k, 0), jnp.where(keep, g, 0)  # filler: the state passes unchanged
+    fresh = (slots.state[:d] >= 0) & ~call.flags[:d]  # new requests start from zeros
+    zeroed = jnp.where(fresh, slots.state[:d], spec.pool_size)
+    pool = pool.at[zeroed].set(jnp.zeros((), pool.dtype), mode="drop")
+    cuts = bool(spec.checkpoint_cols or spec.draft_cols)
+    dspec = DecodeSpec.from_inputs(
+        q, k, v, w, b, g, pool, jax.ShapeDtypeStruct((d,), jnp.int32), spec.scale, cuts
+    ).resolved()  # the indices are the call's, checked already
+    chosen = resolve_decode_backend(dspec, call.config, call.backend, platform=call_platform(x[0]))
+    heads = spec.heads
+    od, pool, token_states = chosen.decode(
+        expand_heads(q, heads), expand_heads(k, heads), v, w, expand_heads(b, heads),
+        expand_heads(g, heads), pool, slots.state[:d], spec=dspec, config=call.config,
+    )  # fmt: skip
+    silent = slots.padded[:d, None, None, None]  # [D, 1, 1, 1]
+    od = jnp.where(silent, 0.0, od).astype(o.dtype)
+    o = o.at[jnp.where(real, where, spec.tokens)].set(od, mode="drop")
+    if cuts:  # checkpoints and drafts among the decodes' tokens, from the token states
+        targets = []
+        if spec.checkpoint_cols:
+            every, cols = spec.checkpoint_every, spec.checkpoint_cols
+            ctx = call.context_lens[:d, None]  # [D, 1]
+            pos = ctx + j[None] + 1  # [D, S] the absolute position after each token
+            col = pos // every - ctx // every - 1  # [D, S] its checkpoint column
+            hit = real & (pos % every == 0) & (col < cols)
+            ck = jnp.take_along_axis(slots.checkpoints[:d], jnp.clip(col, 0, cols - 1), axis=1)
+            targets.append(jnp.where(hit & (ck >= 0), ck, spec.pool_size))  # [D, S]
+        if spec.draft_cols:
+            width = min(s, spec.draft_cols)
+            dr = jnp.full((d, s), -1, jnp.int32).at[:, :width].set(slots.drafts[:d, :width])
+            targets.append(jnp.where(real & (dr >= 0), dr, spec.pool_size))  # [D, S]
+        flat = token_states.reshape(-1, *token_states.shape[2:])  # [D S, HV, dk, dv]
+        target = jnp.concatenate([t.reshape(-1) for t in targets])
+        pool = pool.at[target].set(jnp.concatenate([flat] * len(targets)), mode="drop")
+    return o, pool
+
+
+def run_packed(call: Call, x, pool: jax.Array, start: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The requests after the decodes on the backend's packed forward, the decodes' tokens one
+    padded piece.
+
+    Args:
+        call: the call.
+        x: the flat ``(q, k, v, w, b, g)``.
+        pool: the pool.
+        start: ``[N, HV, dk, dv]`` the requests' initial states.
+
+    Returns:
+        ``(o, pool)``: o ``[T, HV, dv]`` (zero on the decodes' tokens), the pool with these
+        requests' slots written.
+    """
+    spec, d = call.spec, call.spec.num_decodes
+    acc = state_dtype(spec.dtype)
+    t, p = spec.tokens, spec.pool_size
+    # The requests of the packed part: the decodes as one padded request, then the rest.
+    cu = call.cu[d:] if d == 0 else jnp.concatenate([call.cu[:1], call.cu[d:]])
+    n = spec.n_requests - d + (1 if d else 0)
+    slots = call.slots
+
+    def rows(a, fill):
+        return (
+            a[d:]
+            if d == 0
+            else jnp.concatenate([jnp.full((1, *a.shape[1:]), fill, a.dtype), a[d:]])
+        )
+
+    part = dataclasses.replace(spec, n_requests=n, num_decodes=0)
+    slots = RaggedSlots(
+        rows(slots.state, -1), rows(slots.padded, True), rows(slots.skipped, False),
+        rows(slots.checkpoints, -1), rows(slots.drafts, -1),
+    )  # fmt: skip
+    start = rows(start, 0.0)
+    ctx = None if call.context_lens is None else rows(call.context_lens, 0)
+    h0 = jnp.concatenate([start, jnp.zeros((1, *start.shape[1:]), acc)])  # [n + 1]: padding last
+
+    cuts = pc.stored_cuts(part, cu, ctx, slots)  # [K]
+    pieces = pc.cut_row(part, cu, cuts)  # Q = n + K + 1 pieces
+    row = tuple(a[None] for a in x)  # [1, T, heads, d]: one packed row
+    run = dict(scale=spec.scale, config=call.config, **call.raw_features)
+    backend = call.backend
+    if backend == AUTO:  # one backend for both passes
+        backend = which_backend(
+            *row, h0=jnp.zeros((pieces.request.shape[0], *start.shape[1:]), acc),
+            cu_seqlens=pieces.offsets, trainable=False, **run,
+        )  # fmt: skip
+    continued = get_backend(backend).capabilities.continued
+    if cuts.tokens.shape[0] and continued:  # one pass: the pieces of a request carry its state
+        o, finals = forward_continued(
+            row, h0[pieces.request], cu_seqlens=pieces.offsets,
+            continues=~pieces.starts_request, **run, backend=backend,
+        )  # fmt: skip
+    elif cuts.tokens.shape[0]:  # three passes: the pieces' maps, chained, then the forward
+        q_, k_, v_, _, b_, g_ = row
+        pieces_n = pieces.request.shape[0]
+        eye = jnp.broadcast_to(
+            jnp.eye(spec.dk, dtype=acc), (pieces_n, spec.heads, spec.dk, spec.dk)
+        )
+        no_write = jnp.zeros((1, t, spec.heads, spec.dk), v_.dtype)
+        common = dict(cu_seqlens=pieces.offsets, backend=backend, **run)
+        # A: the linear part, the identity carried through with nothing written ([Q, HV, dk, dk]);
+        # Z: what each piece writes from a zero state ([Q, HV, dk, dv]). Two calls of the op's own
+        # widths, not one of width dk + dv: a backend that joins grouped value heads into one
+        # wide head would exceed its widest head.
+        _, a = gdn2_forward(q_, k_, no_write, no_write, b_, g_, h0=eye, **common)
+        _, z = gdn2_forward(*row, h0=jnp.zeros((pieces_n, *start.shape[1:]), acc), **common)
+        piece_h0 = pc.chain(pieces, h0, jnp.concatenate([a, z], axis=-1), spec.dk)  # [Q, ...]
+        o, finals = gdn2_forward(*row, h0=piece_h0, **common)
+    else:  # the pieces are the requests (and the padding)
+        o, finals = gdn2_forward(
+            *row, h0=h0[pieces.request], cu_seqlens=pieces.offsets, backend=backend, **run
+        )  # o: [1, T, HV, dv]; finals: [Q, HV, dk, dv]
+
+    seq = jnp.searchsorted(cu[1:], jnp.arange(t, dtype=jnp.int32), side="right")  # [T]
+    silent = jnp.concatenate([slots.padded, jnp.ones((1,), bool)])[seq]  # padding, padded
+    o = jnp.where(silent[:, None, None], 0.0, o[0]).astype(x[2].dtype)
+
+    lens = cu[1:] - cu[:-1]  # [n]
+    last = finals[pc.piece_ending_at(pieces, jnp.maximum(cu[1:], 1))]  # [n, ...]
+    final = jnp.where((lens > 0)[:, None, None, None], last, start)
+    target = jnp.concatenate([jnp.where(slots.state >= 0, slots.state, p), cuts.slots])
+    stored = finals[pc.piece_ending_at(pieces, jnp.clip(cuts.tokens + 1, 1, t))]  # [K, ...]
+    value = jnp.concatenate([final, stored]).astype(pool.dtype)
+    return o, pool.at[target].set(value, mode="drop")
