@@ -13,7 +13,9 @@
   features combined, no-leakage beyond jax_ref);
 - the Pallas interpret-mode repeats of forget gates and x64 (jax_ref and scan_baseline keep them);
 - the slow end-to-end files: the examples (but the minimal usage), multi-device, the deviceless
-  compiles (but one train step for v5e), packaging, the simulated-device and TPU-estimate benches.
+  compiles (but one train step for v5e), packaging, the simulated-device and TPU-estimate benches;
+- the ragged op's repeats: the Pallas interpret-mode step (the quick tier compiles it for v5e and
+  runs every path on jax_ref), a request split across two calls, the layer's jitted step.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ FULL_FUNCTIONS = (
     "tests/pallas_tpu/test_decode_slots.py::test_dmas_executed_when_started_give_the_same",
     "tests/pallas_tpu/test_vmem_limits.py::test_largest_accepted_varlen_row_compiles",
     "tests/pallas_tpu/test_ragged_pallas.py::test_mixed_step_with_decodes_checkpoints_and_drafts_in_interpret_mode",
+    "tests/core/test_ragged.py::test_a_request_split_across_two_calls_equals_one_call",
+    "tests/layers/test_gdn2_layer_ragged.py::test_jitted_with_traced_metadata_equals_eager",
     "tests/pallas_tpu/test_vmem_limits.py::test_the_compiler_refuses_the_table_the_model_puts_at_the_whole_smem",
     "tests/tools/test_bench_decode.py::test_decode_bench_tpu_static_estimate",
     "tests/tools/test_reports.py::test_mesh_report_compiles_small_v5e_2x4",
