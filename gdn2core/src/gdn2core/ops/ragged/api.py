@@ -130,7 +130,7 @@ def gdn2_ragged(
         context_lens=ctx, features=parsed, raw_features=features, config=config, backend=backend,
     )  # fmt: skip
     x = (q, k, v, w, b, g)
-    start = start_states(call, pool)  # read before anything is written
+    start = start_states(call, pool, d) if d < n else None  # read before anything is written
     o = jnp.zeros((spec.tokens, spec.heads, spec.dv), v.dtype)
     if d:
         o, pool = run_decodes(call, x, pool, o)

@@ -43,15 +43,16 @@ class Call:
     backend: str
 
 
-def start_states(call: Call, pool: jax.Array) -> jax.Array:
-    """``[N, HV, dk, dv]`` each request's initial state: its slot, zeros (a new request or a
-    padded one), NaN (skipped: an invalid index)."""
+def start_states(call: Call, pool: jax.Array, first: int) -> jax.Array:
+    """``[N - first, HV, dk, dv]`` the initial state of requests ``first`` on: its slot, zeros (a
+    new request or a padded one), NaN (skipped: an invalid index). The decodes (``first`` of
+    them) are left out: the decode op reads their slots itself."""
     acc = state_dtype(call.spec.dtype)
-    slots = call.slots
-    read = slots.state >= 0
-    start = jnp.take(pool, jnp.where(read, slots.state, 0), axis=0).astype(acc)
-    start = jnp.where((read & call.flags)[:, None, None, None], start, 0.0)
-    return jnp.where(slots.skipped[:, None, None, None], jnp.nan, start)
+    state, flags = call.slots.state[first:], call.flags[first:]
+    read = state >= 0
+    start = jnp.take(pool, jnp.where(read, state, 0), axis=0).astype(acc)
+    start = jnp.where((read & flags)[:, None, None, None], start, 0.0)
+    return jnp.where(call.slots.skipped[first:, None, None, None], jnp.nan, start)
 
 
 def run_decodes(call: Call, x, pool: jax.Array, o: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -124,7 +125,7 @@ def run_packed(call: Call, x, pool: jax.Array, start: jax.Array) -> tuple[jax.Ar
         call: the call.
         x: the flat ``(q, k, v, w, b, g)``.
         pool: the pool.
-        start: ``[N, HV, dk, dv]`` the requests' initial states.
+        start: ``[N - num_decodes, HV, dk, dv]`` these requests' initial states.
 
     Returns:
         ``(o, pool)``: o ``[T, HV, dv]`` (zero on the decodes' tokens), the pool with these
@@ -150,7 +151,8 @@ def run_packed(call: Call, x, pool: jax.Array, start: jax.Array) -> tuple[jax.Ar
         rows(slots.state, -1), rows(slots.padded, True), rows(slots.skipped, False),
         rows(slots.checkpoints, -1), rows(slots.drafts, -1),
     )  # fmt: skip
-    start = rows(start, 0.0)
+    if d:
+        start = jnp.concatenate([jnp.zeros((1, *start.shape[1:]), start.dtype), start])
     ctx = None if call.context_lens is None else rows(call.context_lens, 0)
     h0 = jnp.concatenate([start, jnp.zeros((1, *start.shape[1:]), acc)])  # [n + 1]: padding last
 
