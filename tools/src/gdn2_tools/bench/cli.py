@@ -170,6 +170,10 @@ def bench_main(argv: Sequence[str]) -> int:
         from gdn2_tools.bench.decode import decode_main
 
         return decode_main([a for a in argv if a != "--decode"])
+    if "--serve" in argv:
+        from gdn2_tools.bench.serve import serve_main
+
+        return serve_main([a for a in argv if a != "--serve"])
     p = argparse.ArgumentParser(
         prog="gdn2 bench",
         description="Time every available backend (correctness-gated) for forward, backward and "
@@ -179,6 +183,11 @@ def bench_main(argv: Sequence[str]) -> int:
         "--decode",
         action="store_true",
         help="time one decode step per backend instead (gdn2 bench --decode --help)",
+    )
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="time one serving step through gdn2_ragged instead (gdn2 bench --serve --help)",
     )
     _common(p)
     p.add_argument("--repeats", type=int, default=5, help="timed runs per program (default 5)")
