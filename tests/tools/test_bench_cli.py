@@ -264,7 +264,16 @@ def test_help_texts_show_every_default(capsys):
         assert f"(default {default})" in helps[option], helps[option]
     assert "(default bfloat16)" in helps["--dtype"] and "(default v5e)" in helps["--tpu"]
     bench = _option_helps(_help(bench_main, ["--help"], capsys))
-    flags = {"-h", "--decode", "--no-progress", "--plot", "--interpret", "--shape", "--include"}
+    flags = {
+        "-h",
+        "--decode",
+        "--serve",
+        "--no-progress",
+        "--plot",
+        "--interpret",
+        "--shape",
+        "--include",
+    }
     for option, text in bench.items():
         assert option in flags or "default" in text, (option, text)
     assert "(default bench-results)" in bench["--out"] and "(default 0)" in bench["--seed"]
