@@ -343,6 +343,33 @@ def test_leading_decodes_on_the_decode_op_equal_the_packed_path():
         gdn2_ragged(*x, pool, num_decodes=6, backend="jax_ref", **kw)
 
 
+def test_one_token_decodes_checkpoint_their_final_state_and_fresh_ones_start_from_zeros():
+    """Decodes of one token, no drafts: a checkpoint that falls on a decode's token is its final
+    state, copied from its slot after the decode op; a new decode (has_initial_state false) starts
+    from zeros, not from what its slot held. Ground truth: each request alone."""
+    lens, slots, flags = [1, 1, 1, 1, 6], [2, 5, 9, 13, 15], [True, False, True, True, True]
+    x, pool = tokens(sum(lens), seed=31), pool_of(seed=32)
+    ckpt = [[18, -1], [19, -1], [20, -1], [-1, -1], [21, 22]]
+    kw = dict(
+        cu_seqlens=cu_of(lens), state_indices=slots, has_initial_state=flags,
+        checkpoint_every=EVERY, context_lens=[EVERY - 1, EVERY - 1, EVERY, 2 * EVERY - 1, 0],
+        checkpoint_slots=ckpt,
+    )  # fmt: skip
+    o, new = gdn2_ragged(*x, pool, num_decodes=4, backend="jax_ref", **kw)
+    o_ref, new_ref = per_request(x, pool, lens, slots, flags)
+    assert rel_err(o, o_ref) < F32_TOL
+    assert rel_err(new[np.array(slots)], new_ref[np.array(slots)]) < F32_TOL
+    # Requests 0 and 1 reach position EVERY: their checkpoint is their final state.
+    np.testing.assert_array_equal(np.asarray(new[18]), np.asarray(new[2]))
+    np.testing.assert_array_equal(np.asarray(new[19]), np.asarray(new[5]))
+    # Request 2 ends at EVERY + 1 (no checkpoint), request 3's checkpoint slot is -1, request 4
+    # reaches EVERY (slot 21) but not 2 EVERY (slot 22): the rest of the pool is bit-identical.
+    keep = [i for i in range(P) if i not in (*slots, 18, 19, 21)]
+    np.testing.assert_array_equal(np.asarray(new)[keep], np.asarray(pool)[keep])
+    _, new_all = gdn2_ragged_reference(*x, pool, **kw)
+    assert rel_err(new, new_all) < F32_TOL
+
+
 def test_backend_without_continued_sequences_takes_the_three_pass_path():
     """scan_baseline does not declare ``Capabilities.continued``: its checkpoints and drafts come
     from the pieces' maps (two more forwards and a chain), and equal the reference."""
