@@ -184,7 +184,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # 4. the registry: what a backend is, discovery, verdicts, choice
     ("hooks", "backend", "verdict", "registry", "selection"),
     # 5. running a call: multi-device execution and the dispatcher
-    ("sharding.plan", "sharding.run", "sharding", "ops.dispatch"),
+    ("sharding.plan", "sharding.run", "sharding", "ops.ragged.mesh", "ops.dispatch"),
     # 6. the ops' public functions
     ("ops.forward.api", "ops.decode.api", "ops.ragged.run", "ops.ragged.api", "memory"),
     # 7. the surfaces: the package, the backend authors' module, the layer, the command

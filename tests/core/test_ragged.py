@@ -298,6 +298,7 @@ def test_traced_invalid_slots_write_nothing_outside_their_own():
             dict(segment_ids=jnp.zeros((1, 8), jnp.int32)),
             r"unexpected keyword argument 'segment_ids'",
         ),
+        (dict(head_axes="heads"), r"head_axes: given but no mesh"),
     ],
 )
 def test_bad_inputs_name_the_argument(change, match):

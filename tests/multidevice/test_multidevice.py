@@ -37,6 +37,7 @@ def test_eight_simulated_devices():
         "no:cacheprovider",
         str(HERE / "md_sharding.py"),
         str(HERE / "md_features.py"),
+        str(HERE / "md_ragged.py"),
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     tail = (proc.stdout[-8000:] + "\n" + proc.stderr[-4000:]).strip()

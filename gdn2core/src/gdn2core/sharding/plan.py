@@ -95,7 +95,7 @@ class ShardPlan:
         )
 
 
-def _names(entry: Any) -> AxisNames:
+def axis_names_of(entry: Any) -> AxisNames:
     """Axis names of one PartitionSpec entry or keyword value (None, a name, or a sequence)."""
     if entry is None:
         return ()
@@ -106,7 +106,7 @@ def _names(entry: Any) -> AxisNames:
     return tuple(entry)
 
 
-def _visible_sharding(x: Any) -> tuple[Any, PartitionSpec | None, frozenset[str]] | None:
+def visible_sharding(x: Any) -> tuple[Any, PartitionSpec | None, frozenset[str]] | None:
     """(mesh, spec, authoritative axes) of what JAX lets us see of ``x``'s sharding, or None.
 
     A concrete ``jax.Array`` shows its ``NamedSharding``: the spec is authoritative for every mesh
@@ -133,7 +133,7 @@ def _visible_sharding(x: Any) -> tuple[Any, PartitionSpec | None, frozenset[str]
     return None
 
 
-def _context_mesh() -> Any:
+def context_mesh() -> Any:
     """The mesh of ``jax.set_mesh`` (concrete outside jit, abstract inside), or None."""
     for get in ("get_mesh", "get_abstract_mesh"):
         getter = getattr(jax.sharding, get, None)
@@ -148,7 +148,7 @@ def _context_mesh() -> Any:
     return None
 
 
-def _check_axes(mesh: Any, kind: str, axes: AxisNames) -> None:
+def check_axes(mesh: Any, kind: str, axes: AxisNames) -> None:
     for a in axes:
         if a not in mesh.axis_names:
             raise ValueError(f"{kind}: {a!r} is not an axis of the mesh {dict(mesh.shape)}")
@@ -169,11 +169,11 @@ def resolve_plan(
     a size not divisible by its shards, the time or channel axis sharded without ``context_axis``).
     """
     asked = mesh is not None or any(a is not None for a in (batch_axes, head_axes, context_axis))
-    visible = _visible_sharding(q)
+    visible = visible_sharding(q)
     if mesh is None and visible is not None:
         mesh = visible[0]
     if mesh is None and asked:
-        mesh = _context_mesh()
+        mesh = context_mesh()
         if mesh is None:
             raise ValueError(
                 "gdn2: batch_axes/head_axes/context_axis given but no mesh: pass mesh=, put the "
@@ -187,7 +187,7 @@ def resolve_plan(
         n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Manual
     )
     if context_axis is not None:
-        _check_axes(mesh, "context_axis", (context_axis,))
+        check_axes(mesh, "context_axis", (context_axis,))
 
     # What the inputs' sharding says, when it is visible and on this very mesh.
     seen_b: AxisNames = ()
@@ -196,7 +196,7 @@ def resolve_plan(
     if visible is not None and tuple(visible[0].axis_names) == tuple(mesh.axis_names):
         vspec = tuple(visible[1]) + (None,) * (4 - len(tuple(visible[1])))
         authoritative = visible[2]
-        seen_b, seen_t, seen_h, seen_c = (tuple(_names(e)) for e in vspec[:4])
+        seen_b, seen_t, seen_h, seen_c = (tuple(axis_names_of(e)) for e in vspec[:4])
         if seen_c:
             raise ValueError(
                 f"gdn2: the channel axis of q is sharded over {seen_c}; shard batch, heads or "
@@ -213,10 +213,10 @@ def resolve_plan(
                 f"{context_axis!r}"
             )
 
-    b_axes = _names(batch_axes) if batch_axes is not None else seen_b
-    h_axes = _names(head_axes) if head_axes is not None else seen_h
-    _check_axes(mesh, "batch_axes", b_axes)
-    _check_axes(mesh, "head_axes", h_axes)
+    b_axes = axis_names_of(batch_axes) if batch_axes is not None else seen_b
+    h_axes = axis_names_of(head_axes) if head_axes is not None else seen_h
+    check_axes(mesh, "batch_axes", b_axes)
+    check_axes(mesh, "head_axes", h_axes)
 
     # Axes nobody assigned and whose role the inputs do not show: batch first, then heads, while
     # the sizes divide (a guess for Auto meshes under jit; pass batch_axes/head_axes to be exact).

@@ -15,12 +15,15 @@ sequence and, for decodes, a decode op.
 
 from __future__ import annotations
 
-from typing import Unpack
+import functools
+from collections.abc import Sequence
+from typing import Any, Unpack
 
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from gdn2core.config import DEFAULT_CONFIG, KernelConfig
+from gdn2core.ops.ragged.mesh import head_plan, sharded_ragged
 from gdn2core.ops.ragged.run import Call, run_decodes, run_packed, start_states
 from gdn2core.ops.ragged.spec import RaggedSpec, ragged_slots
 from gdn2core.options import FeatureArgs, Features
@@ -46,6 +49,8 @@ def gdn2_ragged(
     draft_slots: Int[Array, "N S"] | None = None,
     num_decodes: int = 0,
     decode_len: int = 1,
+    mesh: Any = None,
+    head_axes: str | Sequence[str] | None = None,
     config: KernelConfig | None = None,
     backend: str = AUTO,
     **features: Unpack[FeatureArgs],
@@ -88,6 +93,10 @@ def gdn2_ragged(
             the backend's decode op at the cost of their tokens, not a chunk each; 0: every
             request runs on the packed forward.
         decode_len: the most tokens of a decode request (1, or k + 1 to verify k drafts).
+        mesh: a ``Mesh`` to split the heads over (:mod:`gdn2core.ops.ragged.mesh`); None: the
+            mesh of q's sharding, if any.
+        head_axes: the mesh axes of the heads (H, HV and the pool's HV split alike); None: those
+            q's sharding shows, else every free axis whose size divides the heads.
         config: the backend's kernel config; None for the default.
         backend: a backend name, or ``"auto"``, as for :func:`gdn2_forward`; a named backend never
             falls back to another one.
@@ -121,24 +130,62 @@ def gdn2_ragged(
         config = DEFAULT_CONFIG
     elif not isinstance(config, KernelConfig):
         raise TypeError(f"config: expected a KernelConfig or None, got {type(config).__name__}")
-    n, d = spec.n_requests, spec.num_decodes
-    flags = jnp.ones((n,), bool) if has_initial_state is None else jnp.asarray(has_initial_state)
-    ctx = None if context_lens is None else jnp.asarray(context_lens).astype(jnp.int32)
-    call = Call(
-        spec=spec, cu=jnp.asarray(cu_seqlens).astype(jnp.int32),
-        slots=ragged_slots(spec, state_indices, checkpoint_slots, draft_slots), flags=flags,
-        context_lens=ctx, features=parsed, raw_features=features, config=config, backend=backend,
+    metadata = dict(
+        cu_seqlens=cu_seqlens, state_indices=state_indices, has_initial_state=has_initial_state,
+        context_lens=context_lens, checkpoint_slots=checkpoint_slots, draft_slots=draft_slots,
     )  # fmt: skip
-    x = (q, k, v, w, b, g)
+    static = dict(
+        scale=scale, checkpoint_every=checkpoint_every, num_decodes=num_decodes,
+        decode_len=decode_len, config=config, backend=backend,
+    )  # fmt: skip
+    plan = head_plan(spec, q, mesh=mesh, head_axes=head_axes)
+    if plan is not None:
+        local = functools.partial(ragged_call, **static)
+        return sharded_ragged(local, plan, (q, k, v, w, b, g), pool, metadata, features)
+    return run_call(spec, parsed, (q, k, v, w, b, g), pool, metadata, features, config, backend)
+
+
+def ragged_call(
+    q, k, v, w, b, g, pool, *, cu_seqlens, state_indices, has_initial_state=None,
+    context_lens=None, checkpoint_slots=None, draft_slots=None, scale, checkpoint_every,
+    num_decodes, decode_len, config, backend, **features,
+):  # fmt: skip
+    """One device's call on the heads of its shard: the shapes checked again, then run."""
+    metadata = dict(
+        cu_seqlens=cu_seqlens, state_indices=state_indices, has_initial_state=has_initial_state,
+        context_lens=context_lens, checkpoint_slots=checkpoint_slots, draft_slots=draft_slots,
+    )  # fmt: skip
+    parsed = Features.parse(features, op="gdn2_ragged", packed=False)
+    spec = RaggedSpec.from_inputs(
+        q, k, v, w, b, g, pool, scale=scale, checkpoint_every=checkpoint_every,
+        num_decodes=num_decodes, decode_len=decode_len, **metadata,
+    )  # fmt: skip
+    return run_call(spec, parsed, (q, k, v, w, b, g), pool, metadata, features, config, backend)
+
+
+def run_call(spec: RaggedSpec, parsed: Features, x, pool, metadata: dict, features: dict,
+             config: KernelConfig, backend: str):  # fmt: skip
+    """The validated call on one device: the decodes, then the packed requests."""
+    n, d = spec.n_requests, spec.num_decodes
+    flags = metadata["has_initial_state"]
+    flags = jnp.ones((n,), bool) if flags is None else jnp.asarray(flags)
+    ctx = metadata["context_lens"]
+    ctx = None if ctx is None else jnp.asarray(ctx).astype(jnp.int32)
+    slots = ragged_slots(
+        spec, metadata["state_indices"], metadata["checkpoint_slots"], metadata["draft_slots"]
+    )
+    call = Call(
+        spec=spec, cu=jnp.asarray(metadata["cu_seqlens"]).astype(jnp.int32), slots=slots,
+        flags=flags, context_lens=ctx, features=parsed, raw_features=features, config=config,
+        backend=backend,
+    )  # fmt: skip
     start = start_states(call, pool, d) if d < n else None  # read before anything is written
-    o = jnp.zeros((spec.tokens, spec.heads, spec.dv), v.dtype)
-    if d:
-        o, pool = run_decodes(call, x, pool, o)
-    if d < n:
-        o_rest, pool = run_packed(call, x, pool, start)
-        decoded = jnp.arange(spec.tokens) < call.cu[d]  # [T] the decodes' tokens
-        o = jnp.where(decoded[:, None, None], o, o_rest)
+    if d < n:  # o [T, HV, dv]: zero on the decodes' tokens (one padded piece there)
+        o, pool = run_packed(call, x, pool, start)
+    else:
+        o = jnp.zeros((spec.tokens, spec.heads, spec.dv), x[2].dtype)
+    if d:  # the decodes' outputs into the leading R rows, in place
+        o_dec, mine, pool = run_decodes(call, x, pool)  # [R, HV, dv], [R]
+        r = o_dec.shape[0]
+        o = o.at[:r].set(jnp.where(mine[:, None, None], o_dec, o[:r]))
     return o, pool
-
-
-__all__ = ["gdn2_ragged"]

@@ -83,17 +83,22 @@ def write_slots(pool: jax.Array, hit: jax.Array, target: jax.Array, source) -> j
     return jax.lax.fori_loop(0, jnp.sum(hit, dtype=jnp.int32), write, pool)
 
 
-def run_decodes(call: Call, x, pool: jax.Array, o: jax.Array) -> tuple[jax.Array, jax.Array]:
+def run_decodes(call: Call, x, pool: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The first ``num_decodes`` requests on the backend's decode op.
+
+    Their tokens are the first ``cu[D] <= D * decode_len`` of the call, so their outputs come back
+    as that leading region alone: ``R = min(T, D * decode_len)`` rows, gathered from the decode
+    op's ``[D, decode_len]`` rows, never a scatter over all T tokens.
 
     Args:
         call: the call.
         x: the flat ``(q, k, v, w, b, g)``.
         pool: the pool.
-        o: ``[T, HV, dv]`` the outputs so far.
 
     Returns:
-        ``(o, pool)`` with the decodes' outputs and slots (final, checkpoint and draft states).
+        ``(o, mine, pool)``: o ``[R, HV, dv]`` the outputs of the first R tokens (zero where
+        ``mine`` is false), mine ``[R]`` bool whether a token is a decode's, and the pool with the
+        decodes' slots (final, checkpoint and draft states).
     """
     spec = call.spec
     d, s = spec.num_decodes, spec.decode_len
@@ -125,8 +130,12 @@ def run_decodes(call: Call, x, pool: jax.Array, o: jax.Array) -> tuple[jax.Array
         expand_heads(g, heads), pool, slots.state[:d], spec=dspec, config=call.config,
     )  # fmt: skip
     silent = slots.padded[:d, None, None, None]  # [D, 1, 1, 1]
-    od = jnp.where(silent, 0.0, od).astype(o.dtype)
-    o = o.at[jnp.where(real, where, spec.tokens)].set(od, mode="drop")
+    od = jnp.where(silent, 0.0, od).astype(x[2].dtype)  # [D, S, HV, dv]
+    token = jnp.arange(min(spec.tokens, d * s), dtype=jnp.int32)  # [R]
+    row = jnp.minimum(jnp.searchsorted(cu[1 : d + 1], token, side="right"), d - 1)  # [R]
+    col = token - cu[row]  # [R]
+    mine = (token < cu[d]) & (col < s)
+    o = jnp.where(mine[:, None, None], od[row, jnp.minimum(col, s - 1)], 0.0)  # [R, HV, dv]
     if spec.checkpoint_cols:  # checkpoints among the decodes' tokens: few, one write each
         every, cols = spec.checkpoint_every, spec.checkpoint_cols
         ctx = call.context_lens[:d, None]  # [D, 1]
@@ -148,7 +157,7 @@ def run_decodes(call: Call, x, pool: jax.Array, o: jax.Array) -> tuple[jax.Array
         target = jnp.where(real & (dr >= 0), dr, spec.pool_size).reshape(-1)  # [D S]
         flat = token_states.reshape(-1, *token_states.shape[2:])  # [D S, HV, dk, dv]
         pool = pool.at[target].set(flat.astype(pool.dtype), mode="drop")
-    return o, pool
+    return o, mine, pool
 
 
 def run_packed(call: Call, x, pool: jax.Array, start: jax.Array) -> tuple[jax.Array, jax.Array]:
