@@ -74,7 +74,7 @@ test-slow: $(STAMP)
 
 # The full deviceless TPU compile matrix (part of test-slow; .ci/run runs it after make test).
 test-tpu-compile: $(STAMP)
-	ALLOW_MULTIPLE_LIBTPU_LOAD=1 $(PY) -m pytest -m "tpu_compile and slow" -q
+	ALLOW_MULTIPLE_LIBTPU_LOAD=1 $(PY) -m pytest -m "tpu_compile and slow" -q -n 2
 
 demo: $(STAMP)
 	$(PY) examples/minimal_usage.py
