@@ -148,6 +148,34 @@ def context_mesh() -> Any:
     return None
 
 
+def find_mesh(q: Any, mesh: Any, asked: bool, keywords: str) -> tuple[Any, Any]:
+    """``(mesh, visible)``: the mesh of a call and what JAX shows of q's sharding
+    (:func:`visible_sharding`). The mesh is ``mesh``, else q's, else, only when some axis keyword
+    was ``asked`` for, the mesh of ``jax.set_mesh``; None: no mesh.
+
+    Raises:
+        ValueError: axis keywords (``keywords`` names them) given and no mesh anywhere.
+    """
+    visible = visible_sharding(q)
+    if mesh is None and visible is not None:
+        mesh = visible[0]
+    if mesh is None and asked:
+        mesh = context_mesh()
+        if mesh is None:
+            raise ValueError(
+                f"{keywords} given but no mesh: pass mesh=, put the inputs on a NamedSharding, "
+                "or call inside `with jax.set_mesh(mesh):`"
+            )
+    return mesh, visible
+
+
+def manual_axes(mesh: Any) -> frozenset[str]:
+    """The mesh axes already manual (inside someone's shard_map): never ours to split."""
+    return frozenset(
+        n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Manual
+    )
+
+
 def check_axes(mesh: Any, kind: str, axes: AxisNames) -> None:
     for a in axes:
         if a not in mesh.axis_names:
@@ -168,24 +196,12 @@ def resolve_plan(
     Raises ``ValueError`` naming the problem when the sharding cannot be honoured (an unknown axis,
     a size not divisible by its shards, the time or channel axis sharded without ``context_axis``).
     """
-    asked = mesh is not None or any(a is not None for a in (batch_axes, head_axes, context_axis))
-    visible = visible_sharding(q)
-    if mesh is None and visible is not None:
-        mesh = visible[0]
-    if mesh is None and asked:
-        mesh = context_mesh()
-        if mesh is None:
-            raise ValueError(
-                "gdn2: batch_axes/head_axes/context_axis given but no mesh: pass mesh=, put the "
-                "inputs on a NamedSharding, or call inside `with jax.set_mesh(mesh):`"
-            )
+    asked = any(a is not None for a in (batch_axes, head_axes, context_axis))
+    mesh, visible = find_mesh(q, mesh, asked, "gdn2: batch_axes/head_axes/context_axis")
     if mesh is None or mesh.size == 1:
         return None
 
-    # Mesh axes already manual (we are inside someone's shard_map) are never ours to split.
-    manual = frozenset(
-        n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Manual
-    )
+    manual = manual_axes(mesh)
     if context_axis is not None:
         check_axes(mesh, "context_axis", (context_axis,))
 

@@ -99,8 +99,8 @@ def sharded_call(
     _require(supports, local, plan)
     tok, st = plan.token_spec, plan.state_spec
     names, arrays, specs = _extras_args(plan, extras)
-    q, k, v, w, b, g, h0, *arrays = _reshard_explicit(
-        plan, (q, k, v, w, b, g, h0, *arrays), (tok, tok, tok, tok, tok, tok, st, *specs)
+    q, k, v, w, b, g, h0, *arrays = reshard_explicit(
+        plan.mesh, (q, k, v, w, b, g, h0, *arrays), (tok, tok, tok, tok, tok, tok, st, *specs)
     )
 
     def rebuild(local_arrays) -> dict:
@@ -210,14 +210,13 @@ def _require(supports, local: OpSpec, plan: ShardPlan) -> None:
         )
 
 
-def _reshard_explicit(plan: ShardPlan, args, specs):
+def reshard_explicit(mesh, args, specs):
     """On a mesh with ``Explicit`` axes shard_map refuses arguments whose sharding differs from its
     in_specs (Auto axes are resharded silently): reshard them (a no-op when they already match)."""
-    if not any(t == AxisType.Explicit for t in plan.mesh.axis_types):
+    if not any(t == AxisType.Explicit for t in mesh.axis_types):
         return args
     return tuple(
-        jax.sharding.reshard(x, NamedSharding(plan.mesh, s))
-        for x, s in zip(args, specs, strict=True)
+        jax.sharding.reshard(x, NamedSharding(mesh, s)) for x, s in zip(args, specs, strict=True)
     )
 
 

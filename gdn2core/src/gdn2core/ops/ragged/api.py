@@ -145,21 +145,12 @@ def gdn2_ragged(
     return run_call(spec, parsed, (q, k, v, w, b, g), pool, metadata, features, config, backend)
 
 
-def ragged_call(
-    q, k, v, w, b, g, pool, *, cu_seqlens, state_indices, has_initial_state=None,
-    context_lens=None, checkpoint_slots=None, draft_slots=None, scale, checkpoint_every,
-    num_decodes, decode_len, config, backend, **features,
-):  # fmt: skip
-    """One device's call on the heads of its shard: the shapes checked again, then run."""
-    metadata = dict(
-        cu_seqlens=cu_seqlens, state_indices=state_indices, has_initial_state=has_initial_state,
-        context_lens=context_lens, checkpoint_slots=checkpoint_slots, draft_slots=draft_slots,
-    )  # fmt: skip
+def ragged_call(q, k, v, w, b, g, pool, metadata: dict, features: dict, **static):
+    """One device's call on the heads of its shard (``static``: the keywords bound in
+    :func:`gdn2_ragged`): the shapes checked again, then run."""
+    config, backend = static.pop("config"), static.pop("backend")
     parsed = Features.parse(features, op="gdn2_ragged", packed=False)
-    spec = RaggedSpec.from_inputs(
-        q, k, v, w, b, g, pool, scale=scale, checkpoint_every=checkpoint_every,
-        num_decodes=num_decodes, decode_len=decode_len, **metadata,
-    )  # fmt: skip
+    spec = RaggedSpec.from_inputs(q, k, v, w, b, g, pool, **static, **metadata)
     return run_call(spec, parsed, (q, k, v, w, b, g), pool, metadata, features, config, backend)
 
 
@@ -189,3 +180,6 @@ def run_call(spec: RaggedSpec, parsed: Features, x, pool, metadata: dict, featur
         r = o_dec.shape[0]
         o = o.at[:r].set(jnp.where(mine[:, None, None], o_dec, o[:r]))
     return o, pool
+
+
+__all__ = ["gdn2_ragged"]

@@ -22,9 +22,8 @@ import dataclasses
 import math
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from gdn2core.ops.ragged.spec import RaggedSpec
 from gdn2core.sharding.plan import (
@@ -32,10 +31,10 @@ from gdn2core.sharding.plan import (
     AxisNames,
     axis_names_of,
     check_axes,
-    context_mesh,
-    visible_sharding,
+    find_mesh,
+    manual_axes,
 )
-from gdn2core.sharding.run import shard_map
+from gdn2core.sharding.run import reshard_explicit, shard_map
 
 #: The metadata keywords of :func:`gdn2core.gdn2_ragged`, replicated on every device.
 METADATA = (
@@ -71,21 +70,10 @@ def head_plan(spec: RaggedSpec, q: Any, *, mesh: Any, head_axes: AxesArg) -> Hea
         ValueError: no mesh for ``head_axes``; an axis not on the mesh, or already manual; the
             tokens or channels of q sharded; a head count not divisible by its shards.
     """
-    visible = visible_sharding(q)
-    if mesh is None and visible is not None:
-        mesh = visible[0]
-    if mesh is None and head_axes is not None:
-        mesh = context_mesh()
-        if mesh is None:
-            raise ValueError(
-                "head_axes: given but no mesh: pass mesh=, put the inputs on a NamedSharding, "
-                "or call inside `with jax.set_mesh(mesh):`"
-            )
+    mesh, visible = find_mesh(q, mesh, head_axes is not None, "head_axes:")
     if mesh is None or mesh.size == 1:
         return None
-    manual = frozenset(
-        n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Manual
-    )
+    manual = manual_axes(mesh)
     seen: AxisNames = ()
     shown: frozenset[str] = frozenset()
     if visible is not None and tuple(visible[0].axis_names) == tuple(mesh.axis_names):
@@ -120,7 +108,7 @@ def head_plan(spec: RaggedSpec, q: Any, *, mesh: Any, head_axes: AxesArg) -> Hea
 
 
 def sharded_ragged(fn, plan: HeadPlan, x, pool, metadata: dict, features: dict):
-    """``fn(*x, pool, **metadata, **features)`` on every device's heads; the global ``(o, pool)``.
+    """``fn(*x, pool, metadata, features)`` on every device's heads; the global ``(o, pool)``.
 
     Args:
         fn: the single-device call (keywords besides these bound).
@@ -142,17 +130,14 @@ def sharded_ragged(fn, plan: HeadPlan, x, pool, metadata: dict, features: dict):
     specs = (
         *(tok,) * 6, slots, *(PartitionSpec(),) * len(meta), *(per_head[n] for n in head_names)
     )  # fmt: skip
-    if any(t == AxisType.Explicit for t in plan.mesh.axis_types):
-        args = tuple(
-            jax.sharding.reshard(a, NamedSharding(plan.mesh, s))
-            for a, s in zip(args, specs, strict=True)
-        )
+    args = reshard_explicit(plan.mesh, args, specs)
 
     def body(*local):
         xs, pool_ = local[:6], local[6]
-        meta_ = dict(zip(meta_names, local[7 : 7 + len(meta)], strict=True))
+        given = dict(zip(meta_names, local[7 : 7 + len(meta)], strict=True))
+        meta_ = {n: given.get(n) for n in METADATA}
         heads_ = dict(zip(head_names, local[7 + len(meta) :], strict=True))
-        return fn(*xs, pool_, **meta_, **heads_, **rest)
+        return fn(*xs, pool_, meta_, heads_ | rest)
 
     mapped = shard_map(
         body, mesh=plan.mesh, in_specs=specs, out_specs=(tok, slots), check_vma=False,

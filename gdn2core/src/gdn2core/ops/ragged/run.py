@@ -129,6 +129,8 @@ def run_decodes(call: Call, x, pool: jax.Array) -> tuple[jax.Array, jax.Array, j
         expand_heads(q, heads), expand_heads(k, heads), v, w, expand_heads(b, heads),
         expand_heads(g, heads), pool, slots.state[:d], spec=dspec, config=call.config,
     )  # fmt: skip
+    if token_cuts:
+        flat = token_states.reshape(-1, *token_states.shape[2:])  # [D S, HV, dk, dv]
     silent = slots.padded[:d, None, None, None]  # [D, 1, 1, 1]
     od = jnp.where(silent, 0.0, od).astype(x[2].dtype)  # [D, S, HV, dv]
     token = jnp.arange(min(spec.tokens, d * s), dtype=jnp.int32)  # [R]
@@ -143,11 +145,11 @@ def run_decodes(call: Call, x, pool: jax.Array) -> tuple[jax.Array, jax.Array, j
         col = pos // every - ctx // every - 1  # [D, S] its checkpoint column
         ck = jnp.take_along_axis(slots.checkpoints[:d], jnp.clip(col, 0, cols - 1), axis=1)
         hit = real & (pos % every == 0) & (col < cols) & (ck >= 0)  # [D, S]
-        final = None if token_cuts else slots.state[:d]  # [D]: one-token rows end in their slot
+        final = slots.state[:d]  # [D]: a one-token row ends in its slot
 
         def source(pool, i):
-            if final is None:  # the state after flat token i of the rows
-                return jax.lax.dynamic_slice_in_dim(token_states.reshape(-1, *pool.shape[1:]), i, 1)
+            if token_cuts:  # the state after flat token i of the rows
+                return jax.lax.dynamic_slice_in_dim(flat, i, 1)
             return jax.lax.dynamic_slice_in_dim(pool, final[i], 1)
 
         pool = write_slots(pool, hit.reshape(-1), ck.reshape(-1), source)
@@ -155,7 +157,6 @@ def run_decodes(call: Call, x, pool: jax.Array) -> tuple[jax.Array, jax.Array, j
         width = min(s, spec.draft_cols)
         dr = jnp.full((d, s), -1, jnp.int32).at[:, :width].set(slots.drafts[:d, :width])
         target = jnp.where(real & (dr >= 0), dr, spec.pool_size).reshape(-1)  # [D S]
-        flat = token_states.reshape(-1, *token_states.shape[2:])  # [D S, HV, dk, dv]
         pool = pool.at[target].set(flat.astype(pool.dtype), mode="drop")
     return o, mine, pool
 
