@@ -170,7 +170,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # 0. validation of shapes and options, the config, the platform
     ("options", "checks", "config", "platform", "install", "diagnostics"),
     # 1. the model features' validation and XLA paths
-    ("features.segments", "features.activations"),
+    ("features.segments", "features.activations", "features.pooled"),
     # 2. the ops' specs
     ("ops.forward.spec", "ops.decode.spec", "ops.ragged.spec"),
     # 3. grouped value heads and the references
@@ -186,7 +186,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # 5. running a call: multi-device execution and the dispatcher
     ("sharding.plan", "sharding.run", "sharding", "ops.ragged.mesh", "ops.dispatch"),
     # 6. the ops' public functions
-    ("ops.forward.api", "ops.decode.api", "ops.ragged.run", "ops.ragged.api", "memory"),
+    (
+        "ops.forward.api",
+        "ops.decode.api",
+        "ops.ragged.run",
+        "ops.ragged.pooled",
+        "ops.ragged.api",
+        "memory",
+    ),
     # 7. the surfaces: the package, the backend authors' module, the layer, the command
     ("plugin", "layers.ragged", "layers.gdn2_layer", "layers", "commands", "cli", ""),
 )

@@ -11,11 +11,14 @@ product of the pieces' maps; a wrong slot, piece or state gives errors of order 
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gdn2_conformance import rel_err
+from gdn2_pallas_tpu.config import PallasTpuConfig
 from gdn2_tools.tpu import compile_for_tpu, topology_mesh
 from gdn2core import KernelConfig, gdn2_ragged, gdn2_ragged_reference
 
@@ -60,6 +63,110 @@ def test_mixed_step_with_decodes_checkpoints_and_drafts_in_interpret_mode():
     np.testing.assert_array_equal(np.asarray(new)[untouched], np.asarray(pool)[untouched])
 
 
+def _pooled_kernel_runs(fn, *args) -> bool:
+    text = str(jax.make_jaxpr(fn)(*args))
+    return "gdn2_fwd_pooled" in text
+
+
+#: The pooled forward's edges (bt = 16, checkpoints every 16): a decode; a new prefill of 17
+#: tokens (a checkpoint after token 15); a resumed request at context 30 (14 filler tokens before
+#: it, a checkpoint after its token 1); one ending on a checkpoint (context 5, 27 tokens: the
+#: state after its last token goes to its slot and to a checkpoint); an empty new request (its
+#: slot becomes zeros); an empty resumed one (its slot stays); a padded one; padding.
+POOLED = dict(
+    cu_seqlens=[0, 1, 18, 23, 50, 50, 50, 52],
+    state_indices=[2, 5, 9, 0, 7, 8, -1],
+    has_initial_state=[True, False, True, True, False, True, True],
+    checkpoint_every=16,
+    context_lens=[15, 0, 30, 5, 0, 0, 0],
+    checkpoint_slots=[[1, -1], [3, -1], [4, -1], [6, 10], [-1, -1], [-1, -1], [-1, -1]],
+)
+POOLED_WRITTEN = (0, 1, 2, 3, 4, 5, 6, 7, 9, 10)  # every slot but 8, 11
+
+
+def test_pooled_forward_reads_and_writes_the_slots_in_the_kernel():
+    x, pool = _tokens(56, seed=1)
+
+    def step(pool, *x):
+        return gdn2_ragged(
+            *x, pool, num_decodes=1, backend="pallas_tpu", config=INTERPRET, **POOLED
+        )
+
+    assert _pooled_kernel_runs(step, pool, *x)  # not the pieces path
+    o_ref, new_ref = gdn2_ragged_reference(*x, pool, **POOLED)
+    o, new = step(pool, *x)
+    assert rel_err(o, o_ref) < TOL
+    assert rel_err(new, new_ref) < TOL
+    np.testing.assert_array_equal(np.asarray(new[7]), 0.0)  # the empty new request
+    untouched = [s for s in range(P) if s not in POOLED_WRITTEN]
+    np.testing.assert_array_equal(np.asarray(new)[untouched], np.asarray(pool)[untouched])
+
+
+def test_pooled_forward_with_fused_gates_repeated_keys_and_races_detected():
+    """b, g with HV heads (q, k repeated per value head), the gate and L2 norm in the kernel,
+    two simulated cores with race detection and a random order of the head groups."""
+    x, pool = _tokens(56, seed=2)
+    q, k, v, w, b, g = x
+    ks = jax.random.split(jax.random.PRNGKey(5), 3)
+    b = jax.random.normal(ks[0], (56, HV, DK))
+    g = jax.random.normal(ks[1], (56, HV, DK))
+    feats = dict(
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_bw_sigmoid_in_kernel=True,
+        A_log=jnp.log(jnp.array([0.5, 2.0])), dt_bias=0.1 * jax.random.normal(ks[2], (HV, DK)),
+    )  # fmt: skip
+    config = PallasTpuConfig(
+        bt=16, interpret=True, interpret_detect_races=True, interpret_cores=2, interpret_seed=3
+    )
+    args = (q, k, v, w, b, g, pool)
+    o_ref, new_ref = gdn2_ragged_reference(*args, **POOLED, **feats)
+    o, new = gdn2_ragged(
+        *args, num_decodes=1, backend="pallas_tpu", config=config, **POOLED, **feats
+    )
+    assert rel_err(o, o_ref) < TOL
+    assert rel_err(new, new_ref) < TOL
+
+
+def test_pooled_forward_under_jit_skips_a_request_with_a_repeated_slot():
+    """Traced metadata: request 2 names slot 0 as request 3 does, so both are skipped (NaN
+    outputs, nothing written), exactly as the pieces path (jax_ref) does."""
+    x, pool = _tokens(56, seed=3)
+    kw = dict(POOLED, state_indices=jnp.asarray([2, 5, 0, 0, 7, 8, -1], jnp.int32))
+    meta = {k: jnp.asarray(v) if k != "checkpoint_every" else v for k, v in kw.items()}
+    every = meta.pop("checkpoint_every")
+
+    def run(pool, meta, backend, config):
+        return gdn2_ragged(
+            *x, pool, num_decodes=1, checkpoint_every=every, backend=backend, config=config,
+            **meta,
+        )  # fmt: skip
+
+    o, new = jax.jit(run, static_argnums=(2, 3))(pool, meta, "pallas_tpu", INTERPRET)
+    o_ref, new_ref = jax.jit(run, static_argnums=(2, 3))(pool, meta, "jax_ref", None)
+    skipped = np.asarray(o[18:50])
+    assert np.isnan(skipped).all()
+    np.testing.assert_array_equal(np.asarray(new[0]), np.asarray(pool[0]))
+    keep = np.r_[0:18, 50:56]
+    assert rel_err(o[keep], o_ref[keep]) < TOL
+    assert rel_err(new, new_ref) < TOL
+
+
+def test_a_bfloat16_pool_takes_the_pieces_path_and_stays_right():
+    x, pool = _tokens(56, seed=4)
+    pool = pool.astype(jnp.bfloat16)
+
+    def step(pool, *x):
+        return gdn2_ragged(
+            *x, pool, num_decodes=1, backend="pallas_tpu", config=INTERPRET, **POOLED
+        )
+
+    assert not _pooled_kernel_runs(step, pool, *x)  # the kernel moves float32 states only
+    o_ref, new_ref = gdn2_ragged_reference(*x, pool, **POOLED)
+    o, new = step(pool, *x)
+    # 2e-2: the pool's bfloat16 rounding of every stored state (the op's documented tolerance).
+    assert rel_err(o, o_ref) < 2e-2
+    assert rel_err(new.astype(jnp.float32), new_ref.astype(jnp.float32)) < 2e-2
+
+
 def test_ragged_call_compiles_to_mosaic_for_v5e_with_the_pool_in_place():
     mesh = topology_mesh("v5e:1x1")
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -82,6 +189,8 @@ def test_ragged_call_compiles_to_mosaic_for_v5e_with_the_pool_in_place():
     )
     text = compiled.as_text()
     assert "tpu_custom_call" in text
-    kernels = {name for name in ("gdn2_decode", "gdn2_fwd") if name in text}
-    assert kernels == {"gdn2_decode", "gdn2_fwd"}, kernels
+    kernels = {name for name in ("gdn2_decode", "gdn2_fwd_pooled") if name in text}
+    assert kernels == {"gdn2_decode", "gdn2_fwd_pooled"}, kernels
     assert "input_output_alias={ {1}: (6," in text
+    pool_shape = f"f32[{P},{HV},128,128]"  # no copy of the pool: the kernels write it in place
+    assert not re.search(re.escape(pool_shape) + r"\{[^}]*\} copy\(", text)

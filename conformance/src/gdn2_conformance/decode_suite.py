@@ -1,9 +1,10 @@
 """The conformance tests of the serving ops: :func:`~gdn2core.gdn2_decode` against the decode
 reference (:func:`~gdn2core.gdn2_decode_reference`) and ``gdn2_forward(...,
-return_chunk_states=True)`` against the token-serial reference. :class:`DecodeTests` is a mixin of
+return_chunk_states=True)`` against the token-serial reference, and ``gdn2_ragged`` on a pooled
+forward against the ragged reference. :class:`DecodeTests` is a mixin of
 :class:`~gdn2_conformance.ConformanceSuite`; its tests run on targets that claim
-``Feature.DECODE`` / ``Feature.CHUNK_STATES`` (declared by ``Capabilities.decode`` /
-``chunk_states``).
+``Feature.DECODE`` / ``Feature.CHUNK_STATES`` / ``Feature.POOLED`` (declared by
+``Capabilities.decode`` / ``chunk_states`` / ``pooled``).
 
 Tolerances: the kit's table (:mod:`gdn2_conformance.metrics`, quantity ``decode`` for the decode
 op against its reference); the slots a call does not name, and the slot written back against the
@@ -26,6 +27,8 @@ from gdn2core.ops.decode.api import gdn2_decode
 from gdn2core.ops.decode.reference import gdn2_decode_reference
 from gdn2core.ops.decode.spec import expand_heads
 from gdn2core.ops.forward.api import gdn2_forward
+from gdn2core.ops.ragged.api import gdn2_ragged
+from gdn2core.ops.ragged.reference import gdn2_ragged_reference
 
 
 def _decode(target: Target, x: DecodeInputs, *, jit: bool = False, donate: bool = False):
@@ -85,6 +88,23 @@ def _forward_from_slots(target: Target, x: DecodeInputs):
     q, k, b, g = (expand_heads(a, heads) for a in (x.q, x.k, x.b, x.g))
     h0 = jnp.asarray(np.asarray(x.state.astype(jnp.float32))[_slots(x)])
     return gdn2_forward(q, k, x.v, x.w, b, g, h0=h0, config=target.config, backend=target.backend)
+
+
+def _pooled_call(C: int) -> dict:
+    """A ragged step for :meth:`DecodeTests.test_pooled_ragged_step` with chunks of ``C``
+    tokens: a decode, a new prompt of ``C + 3`` tokens, a resumed one at context ``2 C - 2`` (its
+    checkpoint after 2 tokens), one ending on a checkpoint, an empty new request (its slot becomes
+    zeros), a padded one, and 2 padding tokens."""
+    every = 2 * C
+    lens = [1, C + 3, 5, every]
+    ctx = [C, 0, every - 2, every]
+    cu = np.concatenate([[0], np.cumsum([*lens, 0, 3])]).astype(np.int32)
+    return dict(
+        cu_seqlens=cu, state_indices=[2, 5, 9, 0, 7, -1],
+        has_initial_state=[True, False, True, True, False, True],
+        checkpoint_every=every, context_lens=[*ctx, 0, 0],
+        checkpoint_slots=[[-1], [-1], [4], [6], [-1], [-1]],
+    )  # fmt: skip
 
 
 #: The sequences of :meth:`DecodeTests.test_decode_skipped_sequences_under_jit`: slot 2, an
@@ -159,6 +179,31 @@ class DecodeTests:
             state_indices=x.state_indices[:1],
         )  # fmt: skip
         _check_decode(first, "float32", (o[:1], pool, states[:1]))
+
+    @capability(Feature.POOLED)
+    def test_pooled_ragged_step(self, gdn2_target: Target):
+        """gdn2_ragged with a float32 pool and checkpoints every ``2 bt`` (a call the pooled
+        forward takes): o and the pool against the token-serial ragged reference; every slot the
+        call does not write bit for bit as given."""
+        dk, dv = gdn2_target.head_sizes[0]
+        kw = _pooled_call(gdn2_target.config.bt)
+        t = int(kw["cu_seqlens"][-1]) + 2
+        case = DecodeCase(N=1, S=t, H=1, HV=2, dk=dk, dv=dv, P=12, seed=21)
+        x = make_decode_inputs(case)  # its (1, S, ...) tokens are the flat (T, ...) tokens
+        q, k, v, w, b, g = (a[0] for a in x.args)
+        pool = x.state
+        o, new = gdn2_ragged(
+            q, k, v, w, b, g, pool, num_decodes=1, config=gdn2_target.config,
+            backend=gdn2_target.backend, **kw,
+        )  # fmt: skip
+        o_ref, new_ref = gdn2_ragged_reference(q, k, v, w, b, g, pool, **kw)
+        assert_close("o (ragged)", o, o_ref, "float32")
+        assert_close("state (ragged)", new, new_ref, "float32")
+        written = [2, 5, 9, 0, 7, 4, 6]
+        others = np.setdiff1d(np.arange(pool.shape[0]), written)
+        assert _bits(np.asarray(new)[others]) == _bits(np.asarray(pool)[others]), (
+            f"state: slots {others.tolist()} were not written but changed"
+        )
 
     @capability(Feature.CHUNK_STATES)
     def test_chunk_states(self, gdn2_target: Target, gdn2_case: Case):

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 from gdn2core.checks import SUPPORTED_DTYPES
 from gdn2core.config import KernelConfig
 from gdn2core.features.gva import resolve_spec
+from gdn2core.features.pooled import PoolRequests
 from gdn2core.ops.decode.spec import DecodeSpec
 from gdn2core.ops.forward.spec import OpSpec
 from gdn2core.options import NO_ACTIVATIONS, OpExtras, SegmentMode
@@ -53,6 +54,8 @@ class Capabilities(BaseModel):
             (``gdn2_forward(..., return_chunk_states=True)``).
         continued: its ``forward`` takes ``extras.continues`` with ``cu_seqlens`` (sequences
             that continue the state of the one before; the ragged op's one-pass path).
+        pooled: whether it implements :meth:`Backend.forward_pooled` (the ragged op's packed
+            requests read and write the pool's slots themselves).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -70,6 +73,7 @@ class Capabilities(BaseModel):
     decode: bool = False
     chunk_states: bool = False
     continued: bool = False
+    pooled: bool = False
 
     def view(self, spec: OpSpec) -> OpSpec:
         """The spec this backend sees for a call of ``spec``: grouped value heads resolved
@@ -134,6 +138,7 @@ class Capabilities(BaseModel):
                 ("decode", self.decode),
                 ("chunk states", self.chunk_states),
                 ("continued sequences", self.continued),
+                ("pooled requests", self.pooled),
             )
             if on
         ]
@@ -337,6 +342,50 @@ class Backend(abc.ABC):
             ``(N, S, HV, dk, dv)`` in the pool's dtype when ``spec.token_states``, else None.
         """
         raise NotImplementedError(f"gdn2 backend {self.name!r} has no decode op")
+
+    def supports_pooled(
+        self, spec: OpSpec, config: KernelConfig, requests: PoolRequests, pool_dtype: str
+    ) -> Verdict:
+        """Refusals of a pooled forward beyond :meth:`supports` (only asked when
+        ``capabilities.pooled`` is True); a refused call takes the ragged op's pieces path on
+        the same backend.
+
+        Args:
+            spec: the packed requests' spec, as :meth:`forward` would see it (``cu_seqlens``).
+            config: the call's kernel config.
+            requests: their slots (:class:`~gdn2core.features.pooled.PoolRequests`).
+            pool_dtype: the pool's dtype.
+
+        Returns:
+            :data:`YES`, or a :class:`Verdict` naming what is refused.
+        """
+        del spec, config, requests, pool_dtype
+        return YES
+
+    def forward_pooled(
+        self, q, k, v, w, b, g, pool, *, spec: OpSpec, config: KernelConfig, extras: OpExtras,
+        requests: PoolRequests,
+    ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+        """Packed requests that start from and write to the slots of a pool
+        (:mod:`gdn2core.features.pooled`). Only called when ``capabilities.pooled`` is True and
+        :meth:`supports_pooled` agreed.
+
+        Args:
+            q, k, v, w, b, g: one packed row ``(1, T, H, d)`` as for :meth:`forward` with
+                ``cu_seqlens``, grouped value heads resolved: with ``G = HV / spec.heads``,
+                the ``spec.dv`` value columns of head ``h`` are the pool's value heads
+                ``h G ... h G + G - 1``, ``spec.dv / G`` columns each.
+            pool: ``(P, HV, dk, dv)``, HV the call's value heads.
+            spec, config: as for :meth:`forward`.
+            extras: ``cu_seqlens`` (the requests' offsets) and the fused gates' parameters.
+            requests: the slots each request reads and writes.
+
+        Returns:
+            ``(o, pool)``: o ``(1, T, H, dv)`` in v's dtype (zero on tokens of no request); the
+            pool with the written slots replaced (rounded once to its dtype) and every other
+            slot bit for bit as given.
+        """
+        raise NotImplementedError(f"gdn2 backend {self.name!r} has no pooled forward")
 
     def __repr__(self) -> str:
         return f"<gdn2 backend {self.name!r} priority={self.priority}>"

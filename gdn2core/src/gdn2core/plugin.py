@@ -5,7 +5,9 @@ A backend distribution:
 1. subclasses :class:`Backend` (``name``, ``priority``, ``capabilities``, ``forward`` and, for a
    custom VJP, ``forward_trainable``; optionally ``availability`` and ``supports``; with
    ``Capabilities(decode=True)``, ``decode`` and optionally ``supports_decode``; with
-   ``Capabilities(chunk_states=True)``, ``forward_chunk_states``);
+   ``Capabilities(chunk_states=True)``, ``forward_chunk_states``; with
+   ``Capabilities(pooled=True)``, ``forward_pooled`` and optionally ``supports_pooled`` (the
+   ragged op's requests against the pool, :class:`PoolRequests`));
 2. exposes a module implementing the ``gdn2_backend`` hook (decorated with :data:`hookimpl`) under
    the entry-point group ``gdn2.backends``, named after the backend;
 3. may implement ``gdn2_commands`` (its own ``gdn2`` subcommands) and ``gdn2_kernel_costs``
@@ -30,6 +32,7 @@ from gdn2core.backend import YES, Backend, Capabilities, Verdict
 from gdn2core.checks import state_dtype
 from gdn2core.config import KernelConfig
 from gdn2core.diagnostics import probe
+from gdn2core.features.pooled import FROM_NAN, FROM_ZEROS, PoolRequests
 from gdn2core.features.segments import segment_starts, varlen_layout
 from gdn2core.hooks import BACKENDS_GROUP, TOOLS_GROUP, Command, KernelCost, hookimpl
 from gdn2core.ops.decode.reference import gdn2_decode_reference
@@ -41,6 +44,8 @@ from gdn2core.platform import default_platform, device_memory_bytes, is_tpu_avai
 
 __all__ = [
     "BACKENDS_GROUP",
+    "FROM_NAN",
+    "FROM_ZEROS",
     "L2NORM_EPS",
     "TOOLS_GROUP",
     "YES",
@@ -54,6 +59,7 @@ __all__ = [
     "KernelCost",
     "OpExtras",
     "OpSpec",
+    "PoolRequests",
     "SegmentMode",
     "Verdict",
     "default_platform",

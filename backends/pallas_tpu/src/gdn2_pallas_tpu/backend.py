@@ -13,6 +13,10 @@
 - ``decode``: the decode kernel (kernels_decode.py) for S up to 128 tokens per call, a float32 or
   bfloat16 pool (``supports_decode``: decode_plan.py). No chunk states yet
   (``return_chunk_states`` is refused: ``Capabilities.chunk_states`` is False).
+- ``forward_pooled``: the ragged op's requests after its decodes on the forward kernel, which
+  reads their starts from and writes their final and checkpoint states to the pool's slots in
+  place (pooled.py); ``supports_pooled`` takes a float32 pool and a checkpoint period that is a
+  multiple of ``bt``.
 - Config: :class:`~gdn2_pallas_tpu.config.PallasTpuConfig`, the core fields (``bt``,
   ``wy_eps``, ``interpret``; the level scheme has no sub-chunks and never forms a positive
   exponent, chunk_math.py) and the knobs of interpret mode (race detection, simulated cores, the
@@ -33,6 +37,7 @@ from gdn2_pallas_tpu.plan import (
     SUPPORTED_HEAD_SIZES,
     check_plan,
     make_plan,
+    pooled_plan,
     varlen_plan,
     vmem_capacity_bytes,
 )
@@ -44,6 +49,7 @@ from gdn2core.plugin import (
     KernelConfig,
     OpExtras,
     OpSpec,
+    PoolRequests,
     SegmentMode,
     Verdict,
     is_tpu_available,
@@ -78,6 +84,7 @@ class PallasTpuBackend(Backend):
         continued=True,
         fused_activations=True,
         decode=True,
+        pooled=True,
     )
 
     def supports(self, spec: OpSpec, config: KernelConfig) -> Verdict:
@@ -130,6 +137,44 @@ class PallasTpuBackend(Backend):
             else:
                 o, h_final, _ = vjp.gdn2_pallas_forward(q, k, v, w, b, g, h0, plan, ex)
         return probe("pallas_tpu o", o), probe("pallas_tpu h_final", h_final)
+
+    def supports_pooled(
+        self, spec: OpSpec, config: KernelConfig, requests: PoolRequests, pool_dtype: str
+    ) -> Verdict:
+        """A float32 pool (the kernel's DMAs move float32 states), a checkpoint period that is a
+        multiple of the chunk (a checkpoint is then a chunk's end, pooled.py), and a chunk table
+        that fits SMEM."""
+        from gdn2_pallas_tpu import varlen
+
+        if pool_dtype != "float32":
+            return Verdict(False, f"pool: pooled requests need a float32 pool, got {pool_dtype}")
+        config = PallasTpuConfig.from_config(config)
+        act = spec.activations if spec.activations.any else None
+        plan = pooled_plan(spec, config, vmem_capacity_bytes(), act, requests.stores, 1)
+        every = requests.stored_every
+        if requests.stores and every % plan.C:
+            return Verdict(False, f"checkpoint_every={every} is not a multiple of bt={plan.C}")
+        reason = varlen.table_refusal(spec.n_seqs, spec.seq_len, plan.C, plan.t_pad)
+        return Verdict(False, reason) if reason else YES
+
+    def forward_pooled(
+        self, q, k, v, w, b, g, pool, *, spec: OpSpec, config: KernelConfig, extras: OpExtras,
+        requests: PoolRequests,
+    ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+        """The forward kernel over a ragged call's packed requests, reading and writing their
+        slots of the pool in place (pooled.py; see :meth:`gdn2core.plugin.Backend.forward_pooled`)."""
+        config = PallasTpuConfig.from_config(config)
+        _check_platform(q, config)
+        from gdn2_pallas_tpu import vjp
+
+        act = spec.activations if spec.activations.any else None
+        groups = pool.shape[1] // spec.heads
+        plan = pooled_plan(spec, config, vmem_capacity_bytes(q), act, requests.stores, groups)
+        o, pool = vjp.gdn2_pallas_pooled(
+            q, k, v, w, b, g, pool, extras.cu_seqlens, requests, plan, extras.A_log,
+            extras.dt_bias,
+        )  # fmt: skip
+        return probe("pallas_tpu o", o), pool
 
     def supports_decode(self, spec: DecodeSpec, config: KernelConfig) -> Verdict:
         """A config this backend reads, head sizes, dtypes, S and the VMEM fit of the decode

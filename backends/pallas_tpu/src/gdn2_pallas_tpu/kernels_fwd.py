@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gdn2_pallas_tpu import activations as act
-from gdn2_pallas_tpu import blocks, refs, varlen
+from gdn2_pallas_tpu import blocks, pooled, refs, varlen
 from gdn2_pallas_tpu import chunk_math as cm
 from gdn2_pallas_tpu.cost import cost_forward
 from gdn2_pallas_tpu.matmul import mm, mm_tn
@@ -40,11 +40,13 @@ class ForwardRefs:
     starts: object | None  # [nc C, 1] f32 sequence starts (plan.segments)
     gate_params: object | None  # [hb, 2, K] f32 exp(A_log), dt_bias (plan.gate)
     table: object | None  # SMEM [3, n_chunks] int32 chunk table (plan.varlen, varlen.py)
-    seq_h0: object | None  # [N, H, K, V] f32 in HBM: per-sequence initial states (plan.varlen)
+    seq_h0: object | None  # [N, H, K, V] f32 in HBM: per-sequence initial states (plan.varlen),
+    #   or the pool [P, H, G, K, V / G] f32 (plan.pooled)
     h0: object  # [hb, K, V] f32
     o: object  # [B, H, t_pad, V] in HBM (HEAD_MAJOR), or the [nc C, hb, V] block
     h_final: object  # [hb, K, V] f32
-    seq_h_final: object | None  # [N, H, K, V] f32 in HBM: per-sequence final states (plan.varlen)
+    seq_h_final: object | None  # [N, H, K, V] f32 in HBM: per-sequence final states (plan.varlen),
+    #   or the pool (plan.pooled, aliased to seq_h0)
     TA_out: object | None  # [U / pack, C, pack C] residual: A_qk (lower), T^T (upper), lane-packed
     state_out: object | None  # [hb, K, V] f32: the state entering this step
     # Scratch.
@@ -94,11 +96,16 @@ def _forward_kernel(r: ForwardRefs, *, plan: Plan, save: bool):
     YU = mm(T, jnp.concatenate([L.E_bar, L.Z], axis=2), p.wy)  # [U, C, K + V] F6
     Y, U = YU[:, :, :K], YU[:, :, K:]
 
-    seqs = None
-    if plan.varlen:
+    seqs = slots = None
+    if plan.pooled:  # the requests' states are slots of the pool
+        slots = pooled.PoolStates(plan, r.table, r.seq_h0, r.seq_h_final, r.seq_buf, r.seq_sem,
+                                  head_group, step)  # fmt: skip
+    elif plan.varlen:
         seqs = varlen.SequenceStates(plan, r.table, None, r.seq_buf, r.seq_sem, head_group, step)
     outs = []
     for j in range(plan.nc):  # the state pass, all heads of the step at once
+        if slots is not None:  # a request's first chunk starts from its slot, zeros or NaN
+            slots.enter(j, r.S)
         if seqs is not None:  # a sequence's first chunk starts from its own h0
             seqs.hbm = r.seq_h0
             seqs.read(j, seqs.is_first(j), r.S)
@@ -114,6 +121,8 @@ def _forward_kernel(r: ForwardRefs, *, plan: Plan, save: bool):
             blocks.chunk_of(L.K_tilde, j, plan), R, p.state
         )  # [hb, K, V] F9
         r.S[...] = S_next
+        if slots is not None:  # its final and checkpoint states to their slots
+            slots.leave(j, S_next)
         if seqs is not None:  # a sequence's last chunk gives its h_final
             seqs.hbm = r.seq_h_final
             seqs.write(j, seqs.is_last(j), S_next)
@@ -144,6 +153,8 @@ def forward_call(
     state = blocks.state_spec(plan)
     on = lambda flag, x: x if flag else None  # noqa: E731  (None: absent)
     res = (B, plan.head_groups, plan.n_steps)  # residuals: one block per grid step
+    G = plan.pool_groups
+    stage = (hb, G * K, V // G) if plan.pooled else (hb, K, V)  # a state's DMA staging
     packed = blocks.residual_spec(plan, plan.residual_block, step_of)  # T^T | A_qk
     entry = blocks.residual_spec(plan, (hb, K, V), step_of)  # step entry states
     kernel_refs = refs.Table(
@@ -173,10 +184,12 @@ def forward_call(
         ),
         refs.Output("state_out", entry, on(save, jax.ShapeDtypeStruct((*res, hb, K, V), F32))),
         refs.Scratch("S", pltpu.VMEM((hb, K, V), F32)),
-        refs.Scratch("seq_buf", on(plan.varlen, pltpu.VMEM((hb, K, V), F32))),
+        # a state's DMA staging (the pooled kernel moves slots to and from S directly)
+        refs.Scratch("seq_buf", on(plan.varlen, pltpu.VMEM(stage, F32))),
         refs.Scratch("seq_sem", on(plan.varlen, pltpu.SemaphoreType.DMA(()))),
         refs.Scratch("o_stage", io.out_stage(V, v.dtype)),  # o staging
         refs.Scratch("o_sems", io.out_sems(1)),
+        aliases={"seq_h0": "seq_h_final"} if plan.pooled else None,  # the pool, in place
     )
     return pl.pallas_call(
         kernel_refs.kernel(functools.partial(_forward_kernel, plan=plan, save=save), ForwardRefs),
@@ -185,11 +198,12 @@ def forward_call(
         in_specs=kernel_refs.in_specs,
         out_specs=kernel_refs.out_specs,
         scratch_shapes=kernel_refs.scratch_shapes,
+        input_output_aliases=kernel_refs.input_output_aliases,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=plan.vmem_limit_bytes,
         ),
         cost_estimate=pl.CostEstimate(**cost_forward(plan, save)),
         interpret=blocks.interpret_params(plan),
-        name="gdn2_fwd_train" if save else "gdn2_fwd",
+        name="gdn2_fwd_train" if save else ("gdn2_fwd_pooled" if plan.pooled else "gdn2_fwd"),
     )(*kernel_refs.operands)

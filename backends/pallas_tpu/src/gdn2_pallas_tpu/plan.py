@@ -181,11 +181,18 @@ class Plan:
     activations: object = None  # gdn2core Activations applied in the kernels, or None
     l2norm_eps: float = L2NORM_EPS
     n_seqs: int = 0  # cu_seqlens: the number of packed sequences (varlen.py); 0 otherwise
+    pool_groups: int = 0  # pooled requests (pooled.py): the pool's value heads per head; 0: none
+    pool_checkpoints: bool = False  # pooled requests that store checkpoints (pooled.py)
 
     @property
     def varlen(self) -> bool:
         """Per-sequence states at chunk boundaries (``cu_seqlens``, varlen.py)."""
         return self.n_seqs > 0
+
+    @property
+    def pooled(self) -> bool:
+        """The sequences are a ragged call's requests, their states slots of a pool (pooled.py)."""
+        return self.pool_groups > 0
 
     @property
     def fused(self) -> bool:
@@ -383,3 +390,17 @@ def varlen_plan(spec: OpSpec, config: KernelConfig, vmem_capacity: int, activati
     plan = make_plan(spec, config, vmem_capacity, activations=activations, n_seqs=spec.n_seqs)
     t_pad = varlen.padded_length(spec.seq_len, spec.n_seqs, plan.C, plan.step_len)
     return dataclasses.replace(plan, batch=1, seq_len=t_pad, n_seqs=spec.n_seqs)
+
+
+def pooled_plan(spec: OpSpec, config: KernelConfig, vmem_capacity: int, activations, stores: bool,
+                pool_groups: int) -> Plan:  # fmt: skip
+    """The plan of a pooled call: the chunk-aligned row of ``spec.n_seqs`` requests (pooled.py),
+    one batch row; ``stores``: with checkpoints (a filler before each request)."""
+    from gdn2_pallas_tpu import pooled
+
+    plan = make_plan(spec, config, vmem_capacity, activations=activations, n_seqs=spec.n_seqs)
+    t_pad = pooled.padded_length(spec.seq_len, spec.n_seqs, plan.C, plan.step_len, stores)
+    return dataclasses.replace(
+        plan, batch=1, seq_len=t_pad, n_seqs=spec.n_seqs, pool_groups=pool_groups,
+        pool_checkpoints=stores,
+    )  # fmt: skip

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gdn2_pallas_tpu import varlen
+from gdn2_pallas_tpu import pooled, varlen
 from gdn2_pallas_tpu.blocks import TokenIO, forward_step, sequence_starts
 from gdn2_pallas_tpu.kernels_bwd import backward_call
 from gdn2_pallas_tpu.kernels_fwd import forward_call
@@ -273,3 +273,20 @@ def gdn2_pallas_varlen(q, k, v, w, b, g, seq_h0, cu_seqlens, plan: Plan, trainab
     else:
         o, _, seq_h_final = gdn2_pallas_forward(*xs, h0, plan, ex)
     return varlen.from_padded(o, lay), seq_h_final
+
+
+def gdn2_pallas_pooled(q, k, v, w, b, g, pool, cu_seqlens, requests, plan: Plan, A_log=None,
+                       dt_bias=None):  # fmt: skip
+    """A ragged call's packed requests against the pool (pooled.py): q..g ``(1, T, H, d)``, the
+    pool ``(P, HV, K, dv)`` float32, ``requests`` a ``PoolRequests``; ``plan`` is the plan of the
+    chunk-aligned row (``pool_groups = HV / H``). Returns ``(o, pool)``, the pool in place."""
+    lay = pooled.layout(cu_seqlens, requests, q.shape[1], plan.C, plan.t_pad)
+    xs = [pooled.to_padded(x, lay) for x in (q, k, v, w, b)]
+    g_fill = -jnp.inf if plan.gate else 0.0  # a filler token leaves the state unchanged
+    xs.append(pooled.to_padded(g, lay, fill=g_fill))
+    h0 = jnp.zeros((1, plan.heads, plan.dk, plan.dv), jnp.float32)
+    slots, _hv, dk, dv = pool.shape
+    view = pool.reshape(slots, plan.heads, plan.pool_groups * dk, dv)  # [P, H, G K, dv]
+    ex = Extras(A_log=A_log, dt_bias=dt_bias, table=lay.table, seq_h0=view)
+    o, _, new = gdn2_pallas_forward(*xs, h0, plan, ex)
+    return pooled.from_padded(o, lay), new.reshape(pool.shape)

@@ -61,7 +61,7 @@ def run_backend(
     """
     placed = args[0]  # the user's q: its sharding locates the mesh
     user_h0 = h0
-    view, inputs, h0, backend_extras = _backend_inputs(backend, spec, args, h0, extras)
+    view, inputs, h0, backend_extras = backend_inputs(backend, spec, args, h0, extras)
     plan = resolve_plan(view, placed, **sharding)
     more = {} if backend_extras is None else {"extras": backend_extras}
     if chunk_states and plan is not None:
@@ -111,7 +111,7 @@ def empty_call(
     return o, h0, jnp.zeros((spec.batch, 0, *h0.shape[1:]), h0.dtype)  # [B, 0, HV, dk, dv]
 
 
-def _backend_inputs(backend: Backend, spec: OpSpec, args, h0, extras: OpExtras):
+def backend_inputs(backend: Backend, spec: OpSpec, args, h0, extras: OpExtras):
     """What the backend receives for a call: ``(view, (q, k, v, w, b, g), h0, extras | None)``:
     the activations applied in XLA unless it fuses them, grouped value heads resolved, and the
     extras (None when the call has no packed sequences and no fused activations)."""

@@ -24,6 +24,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from gdn2core.config import DEFAULT_CONFIG, KernelConfig
 from gdn2core.ops.ragged.mesh import head_plan, sharded_ragged
+from gdn2core.ops.ragged.pooled import run_pooled
 from gdn2core.ops.ragged.run import Call, run_decodes, run_packed, start_states
 from gdn2core.ops.ragged.spec import RaggedSpec, ragged_slots
 from gdn2core.options import FeatureArgs, Features
@@ -170,8 +171,11 @@ def run_call(spec: RaggedSpec, parsed: Features, x, pool, metadata: dict, featur
         flags=flags, context_lens=ctx, features=parsed, raw_features=features, config=config,
         backend=backend,
     )  # fmt: skip
-    start = start_states(call, pool, d) if d < n else None  # read before anything is written
-    if d < n:  # o [T, HV, dv]: zero on the decodes' tokens (one padded piece there)
+    done = run_pooled(call, x, pool) if d < n else None  # the kernels address the slots
+    if done is not None:
+        o, pool = done
+    elif d < n:  # o [T, HV, dv]: zero on the decodes' tokens (one padded piece there)
+        start = start_states(call, pool, d)
         o, pool = run_packed(call, x, pool, start)
     else:
         o = jnp.zeros((spec.tokens, spec.heads, spec.dv), x[2].dtype)

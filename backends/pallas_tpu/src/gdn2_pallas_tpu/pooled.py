@@ -1,0 +1,180 @@
+"""The ragged op's packed requests against the pool (``Capabilities.pooled``,
+gdn2core.features.pooled): the forward kernel reads each request's start from its slot and writes
+its final and checkpoint states to theirs by DMA, the pool aliased in place.
+
+Layout (XLA, outside the kernel), as varlen.py's but for requests: each request starts at a chunk
+boundary after ``positions % C`` filler tokens (``k = 0, g = 0``: the state passes unchanged), so
+every absolute position that is a multiple of ``C``, and so every checkpoint (``stored_every`` a
+multiple of ``C``), is the end of a chunk. A request wastes at most ``2 C - 2`` positions (the
+filler and its last chunk's padding; ``C - 1`` without checkpoints, where there is no filler), an
+empty one none: the row's static length is ``t_pad >= T + N C`` (``2 N C`` with checkpoints). Tokens
+of no request (the decodes' before the first request, the padding after the last) are not placed.
+
+The chunk table (SMEM, ``[4, n_chunks]`` int32, the rows Mosaic pads 3 to anyway) says per chunk:
+
+- ``READ``, ``MODE``: at a request's first chunk the state is its slot ``READ`` (``MODE`` =
+  ``FROM_SLOT``), zeros (``FROM_ZEROS``) or NaN (``FROM_NAN``); elsewhere (``CARRY``) the state the
+  chunk before left.
+- ``OUT``: one more than the slot the state leaving the chunk goes to (a request's last chunk),
+  0: none.
+- ``CKPT``: one more than the checkpoint slot of the state leaving the chunk, 0: none (the same
+  chunk may have both: a request ending on a checkpoint).
+
+Zero means "nothing" in every row, so a table of zeros moves no state: the TPU compiler's static
+profile simulates the kernel with such a table and so prices no slot DMA (they are priced by
+their bytes instead, ``gdn2 bench --serve``).
+
+The pool is viewed as ``[P, H, G, K, dv]`` (a free reshape): kernel head ``h`` holds the ``G``
+value heads ``h G ... h G + G - 1`` of a grouped call side by side in its ``G dv`` value columns,
+so a slot moves by ``G`` DMAs between HBM and the ``dv`` value columns of the carried state. Slots are distinct across a call's requests (the core's rules), so the reads
+of the input ref and the writes of the aliased output ref never meet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Final
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from gdn2core.plugin import PoolRequests
+
+READ, MODE, OUT, CKPT = 0, 1, 2, 3  # rows of the chunk table
+CARRY, FROM_SLOT, FROM_ZEROS, FROM_NAN = 0, 1, 2, 3  # MODE values
+ROWS: Final = 4
+
+
+def padded_length(seq_len: int, n_seqs: int, C: int, step_len: int, stores: bool) -> int:
+    """Static length of the row: every request may waste ``2 C`` with checkpoints, else ``C``."""
+    waste = (2 if stores else 1) * C
+    return max(1, math.ceil((seq_len + n_seqs * waste) / step_len)) * step_len
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the tokens go (arrays computed under jit); as varlen.Layout."""
+
+    position: jax.Array  # [T] int32: each token's position in the row (t_pad: not placed)
+    placed: jax.Array  # [T] bool: the token belongs to a request
+    source: jax.Array  # [t_pad] int32: the token at every position (T: a filler token)
+    table: jax.Array  # [4, t_pad / C] int32: READ, MODE, OUT, CKPT per chunk
+
+
+def layout(cu_seqlens, requests: PoolRequests, seq_len: int, C: int, t_pad: int) -> Layout:
+    """The layout of the requests ``cu_seqlens`` (``N + 1`` offsets into T tokens) and the chunk
+    table of their slots (module docstring)."""
+    cu = cu_seqlens.astype(jnp.int32)
+    n = cu.shape[0] - 1
+    lens = cu[1:] - cu[:-1]  # [N]
+    if requests.stores:
+        front = jnp.where(lens > 0, requests.positions % C, 0)  # [N] filler before request n
+    else:
+        front = jnp.zeros_like(lens)
+    chunks = (front + lens + C - 1) // C  # [N]: an empty request owns no chunk
+    end_chunk = jnp.cumsum(chunks)  # [N]
+    first_chunk = end_chunk - chunks  # [N]
+    token = jnp.arange(seq_len, dtype=jnp.int32)  # [T]
+    req = jnp.searchsorted(cu[1:], token, side="right").astype(jnp.int32)  # [T], N: after all
+    placed = (token >= cu[0]) & (req < n)
+    rq = jnp.minimum(req, n - 1)
+    position = jnp.where(placed, first_chunk[rq] * C + front[rq] + token - cu[rq], t_pad)
+    source = jnp.full((t_pad,), seq_len, jnp.int32).at[position].set(token, mode="drop")
+
+    n_chunks = t_pad // C
+    chunk = jnp.arange(n_chunks, dtype=jnp.int32)
+    rc = jnp.searchsorted(end_chunk, chunk, side="right").astype(jnp.int32)  # [n_chunks]
+    used = rc < n  # a chunk of a request (the one of its first chunk has chunks > 0)
+    rc = jnp.minimum(rc, n - 1)
+    first = used & (chunk == first_chunk[rc])
+    last = used & (chunk == end_chunk[rc] - 1)
+    start = requests.starts[rc]  # [n_chunks]
+    mode = jnp.where(start >= 0, FROM_SLOT, jnp.where(start == -1, FROM_ZEROS, FROM_NAN))
+    mode = jnp.where(first, mode, CARRY)
+    read = jnp.where(first & (start >= 0), start, 0)
+    out = jnp.where(last, requests.writes[rc] + 1, 0)  # slot + 1, 0: none
+    ckpt = jnp.zeros((n_chunks,), jnp.int32)
+    if requests.stores:
+        local, slot = requests.stored_tokens, requests.stored_slots  # [N, M]
+        at = first_chunk[:, None] + (front[:, None] + local) // C  # [N, M] the chunk it ends
+        keep = (local >= 0) & (slot >= 0)
+        ckpt = ckpt.at[jnp.where(keep, at, n_chunks)].set(slot + 1, mode="drop")
+    table = jnp.stack([read, mode, out, ckpt]).astype(jnp.int32)
+    return Layout(position.astype(jnp.int32), placed, source, table)
+
+
+def to_padded(x: jax.Array, lay: Layout, fill: float = 0.0) -> jax.Array:
+    """(1, T, H, d) -> (1, t_pad, H, d): tokens moved to their positions, ``fill`` elsewhere."""
+    pad = jnp.full((1, 1, *x.shape[2:]), fill, x.dtype)
+    return jnp.concatenate([x, pad], axis=1)[:, lay.source]
+
+
+def from_padded(y: jax.Array, lay: Layout) -> jax.Array:
+    """(1, t_pad, H, d) -> (1, T, H, d), zero on the tokens of no request."""
+    got = y[:, jnp.minimum(lay.position, y.shape[1] - 1)]
+    return jnp.where(lay.placed[None, :, None, None], got, 0).astype(y.dtype)
+
+
+class PoolStates:
+    """In the forward kernel: the pool's slots of the chunks of one grid step.
+
+    ``table`` the SMEM chunk table; ``pool_in`` and ``pool_out`` the ``[P, H, G, K, dv]`` float32
+    pool in HBM (one buffer, aliased); ``sem`` one DMA semaphore. A slot moves between HBM and
+    the carried state ``[hb, K, G dv]`` by ``G`` DMAs, one per value head of a group, into or
+    out of its ``dv`` value columns: no VMEM staging, no copy."""
+
+    def __init__(self, plan, table, pool_in, pool_out, buf, sem, head_group, step):
+        self.plan, self.table, self.buf, self.sem = plan, table, buf, sem
+        self.pool_in, self.pool_out = pool_in, pool_out
+        self.head_group, self.step = head_group, step
+
+    def _row(self, row: int, j: int):
+        return self.table[row, self.step * self.plan.nc + j]
+
+    def _copies(self, state, pool, slot, into_state: bool) -> None:
+        """Slot ``slot`` (the step's heads) into the carried state ref ``state``, or the state
+        value ``state`` into the slot, through the staging buffer ``[hb, G K, dv]``."""
+        plan = self.plan
+        G, K = plan.pool_groups, plan.dk
+        dv = plan.dv // G
+        hbm = pool.at[slot, pl.ds(self.head_group * plan.hb, plan.hb)]  # [hb, G K, dv]
+        if not into_state:
+            for i in range(G):  # value head i of a group: value columns i dv ... (i + 1) dv
+                self.buf[:, i * K : (i + 1) * K] = state[:, :, i * dv : (i + 1) * dv]
+        src, dst = (hbm, self.buf) if into_state else (self.buf, hbm)
+        copy = pltpu.make_async_copy(src, dst, self.sem)
+        copy.start()
+        copy.wait()
+        if into_state:
+            for i in range(G):
+                state[:, :, i * dv : (i + 1) * dv] = self.buf[:, i * K : (i + 1) * K]
+
+    def enter(self, j: int, state) -> None:
+        """``state`` (the carried ``[hb, K, G dv]`` ref) set as chunk ``j``'s MODE says."""
+        mode = self._row(MODE, j)
+
+        @pl.when(mode == FROM_SLOT)
+        def _():
+            self._copies(state, self.pool_in, self._row(READ, j), into_state=True)
+
+        @pl.when(mode >= FROM_ZEROS)
+        def _():
+            fill = jnp.where(mode == FROM_ZEROS, 0.0, jnp.nan).astype(state.dtype)
+            state[...] = jnp.full(state.shape, fill, state.dtype)
+
+    def leave(self, j: int, state) -> None:
+        """The state leaving chunk ``j`` (``state``, ``[hb, K, G dv]``) to its OUT and CKPT
+        slots."""
+        self._write(state, self._row(OUT, j))
+        if self.plan.pool_checkpoints:  # compiled out without: a DMA in a branch still costs
+            self._write(state, self._row(CKPT, j))
+
+    def _write(self, state, entry) -> None:
+        """``pool[entry - 1] = state`` when ``entry > 0`` (a table entry of OUT or CKPT)."""
+
+        @pl.when(entry > 0)
+        def _():
+            self._copies(state, self.pool_out, entry - 1, into_state=False)
