@@ -167,6 +167,28 @@ def test_a_bfloat16_pool_takes_the_pieces_path_and_stays_right():
     assert rel_err(new.astype(jnp.float32), new_ref.astype(jnp.float32)) < 2e-2
 
 
+def test_a_supports_pooled_that_raises_refuses_the_pooled_forward(monkeypatch):
+    """A backend's ``supports_pooled`` that raises refuses only that path (logged): the call
+    takes the pieces path on the same backend and stays right."""
+    from gdn2_pallas_tpu.backend import PallasTpuBackend
+
+    def broken(self, *args):
+        raise RuntimeError("broken")
+
+    monkeypatch.setattr(PallasTpuBackend, "supports_pooled", broken)
+    x, pool = _tokens(56, seed=6)
+
+    def step(pool, *x):
+        return gdn2_ragged(
+            *x, pool, num_decodes=1, backend="pallas_tpu", config=INTERPRET, **POOLED
+        )
+
+    assert not _pooled_kernel_runs(step, pool, *x)
+    o_ref, new_ref = gdn2_ragged_reference(*x, pool, **POOLED)
+    o, new = step(pool, *x)
+    assert rel_err(o, o_ref) < TOL and rel_err(new, new_ref) < TOL
+
+
 def test_ragged_call_compiles_to_mosaic_for_v5e_with_the_pool_in_place():
     mesh = topology_mesh("v5e:1x1")
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

@@ -41,7 +41,7 @@ def judge_decode(backend: Backend, spec: DecodeSpec | None, config: KernelConfig
 def _judge(backend, spec, config, auto, platform, missing: str, no_chunks: str) -> Verdict:
     """The checks of both; ``missing``, ``no_chunks``: why a needed capability is absent, or ""."""
     caps, config = backend.capabilities, DEFAULT_CONFIG if config is None else config
-    if not (available := _ask(backend, "availability")):
+    if not (available := ask(backend, "availability")):
         return available
     if missing:
         return Verdict(False, missing)
@@ -61,14 +61,14 @@ def _judge(backend, spec, config, auto, platform, missing: str, no_chunks: str) 
     view = caps.view(spec) if forward else spec
     admitted = caps.admits(view)
     if admitted:
-        return _ask(backend, "supports" if forward else "supports_decode", view, config)
+        return ask(backend, "supports" if forward else "supports_decode", view, config)
     if view.dv == spec.dv:
         return admitted
     groups = f"the {spec.groups} value heads of each key head run as one head of dv={view.dv}"
     return Verdict(False, f"{admitted.reason} (grouped value heads: {groups})")
 
 
-def _ask(backend: Backend, method: str, *args) -> Verdict:
+def ask(backend: Backend, method: str, *args) -> Verdict:
     """``backend.method(*args)`` as a Verdict; an exception or a non-Verdict answer refuses."""
     try:
         answer = getattr(backend, method)(*args)

@@ -29,7 +29,7 @@ from gdn2core.ops.ragged.spec import checkpoint_cuts
 from gdn2core.options import OpExtras, SegmentMode
 from gdn2core.registry import get_backend
 from gdn2core.selection import AUTO
-from gdn2core.verdict import judge
+from gdn2core.verdict import ask, judge
 
 
 def pool_requests(call: Call) -> PoolRequests:
@@ -79,18 +79,19 @@ def run_pooled(call: Call, x, pool: jax.Array) -> tuple[jax.Array, jax.Array] | 
         dt_bias=extras.dt_bias,
     )  # fmt: skip
     op = dataclasses.replace(op, segments=SegmentMode.CU_SEQLENS, n_seqs=n)
-    acc = state_dtype(spec.dtype)
-    empty = jnp.zeros((0, *pool.shape[1:]), acc)
-    given = OpExtras(cu_seqlens=cu, A_log=extras.A_log, dt_bias=extras.dt_bias)
-    view, inputs, _, more = backend_inputs(chosen, op, row, empty, given)
     requests = pool_requests(call)
     config = call.config
     # The backend's verdict on the packed call, then on its pool (a refusal: the pieces path,
     # whose forward names the reason if the backend cannot run the call at all).
     if not judge(chosen, op, config, trainable=False, auto=False, platform=None):
         return None
-    if not chosen.supports_pooled(view, config, requests, spec.state_dtype):
+    view = chosen.capabilities.view(op)
+    if not ask(chosen, "supports_pooled", view, config, requests, spec.state_dtype):
         return None
+    acc = state_dtype(spec.dtype)
+    empty = jnp.zeros((0, *pool.shape[1:]), acc)
+    given = OpExtras(cu_seqlens=cu, A_log=extras.A_log, dt_bias=extras.dt_bias)
+    view, inputs, _, more = backend_inputs(chosen, op, row, empty, given)
     # An empty request writes its start to its slot: nothing to do, but for a new one (zeros).
     lens = cu[1:] - cu[:-1]  # [n]
     fresh = (lens == 0) & (requests.starts == FROM_ZEROS) & (requests.writes >= 0)
