@@ -16,6 +16,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from gdn2_conformance import rel_err
 from gdn2_pallas_tpu.config import PallasTpuConfig
@@ -150,7 +151,9 @@ def test_pooled_forward_under_jit_skips_a_request_with_a_repeated_slot():
     assert rel_err(new, new_ref) < TOL
 
 
-def test_a_bfloat16_pool_takes_the_pieces_path_and_stays_right():
+def test_a_bfloat16_pool_on_the_pooled_forward():
+    """A bfloat16 pool: its slots widened to float32 when read and each stored state rounded once
+    to bfloat16 when written, in the kernel."""
     x, pool = _tokens(56, seed=4)
     pool = pool.astype(jnp.bfloat16)
 
@@ -159,12 +162,18 @@ def test_a_bfloat16_pool_takes_the_pieces_path_and_stays_right():
             *x, pool, num_decodes=1, backend="pallas_tpu", config=INTERPRET, **POOLED
         )
 
-    assert not _pooled_kernel_runs(step, pool, *x)  # the kernel moves float32 states only
+    assert _pooled_kernel_runs(step, pool, *x)
     o_ref, new_ref = gdn2_ragged_reference(*x, pool, **POOLED)
     o, new = step(pool, *x)
+    assert new.dtype == jnp.bfloat16
     # 2e-2: the pool's bfloat16 rounding of every stored state (the op's documented tolerance).
     assert rel_err(o, o_ref) < 2e-2
     assert rel_err(new.astype(jnp.float32), new_ref.astype(jnp.float32)) < 2e-2
+    untouched = [s for s in range(P) if s not in POOLED_WRITTEN]
+    np.testing.assert_array_equal(
+        np.asarray(new.astype(jnp.float32))[untouched],
+        np.asarray(pool.astype(jnp.float32))[untouched],
+    )
 
 
 def test_a_supports_pooled_that_raises_refuses_the_pooled_forward(monkeypatch):
@@ -189,13 +198,14 @@ def test_a_supports_pooled_that_raises_refuses_the_pooled_forward(monkeypatch):
     assert rel_err(o, o_ref) < TOL and rel_err(new, new_ref) < TOL
 
 
-def test_ragged_call_compiles_to_mosaic_for_v5e_with_the_pool_in_place():
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_ragged_call_compiles_to_mosaic_for_v5e_with_the_pool_in_place(pool_dtype):
     mesh = topology_mesh("v5e:1x1")
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     t, n = 64, 5
     key = jax.ShapeDtypeStruct((t, H, 128), jnp.bfloat16, sharding=rep)
     val = jax.ShapeDtypeStruct((t, HV, 128), jnp.bfloat16, sharding=rep)
-    pool = jax.ShapeDtypeStruct((P, HV, 128, 128), jnp.float32, sharding=rep)
+    pool = jax.ShapeDtypeStruct((P, HV, 128, 128), pool_dtype, sharding=rep)
     ints = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=rep)
     cu = jax.ShapeDtypeStruct((n + 1,), jnp.int32, sharding=rep)
     ck = jax.ShapeDtypeStruct((n, 2), jnp.int32, sharding=rep)
@@ -214,5 +224,6 @@ def test_ragged_call_compiles_to_mosaic_for_v5e_with_the_pool_in_place():
     kernels = {name for name in ("gdn2_decode", "gdn2_fwd_pooled") if name in text}
     assert kernels == {"gdn2_decode", "gdn2_fwd_pooled"}, kernels
     assert "input_output_alias={ {1}: (6," in text
-    pool_shape = f"f32[{P},{HV},128,128]"  # no copy of the pool: the kernels write it in place
+    short = "f32" if pool_dtype == jnp.float32 else "bf16"
+    pool_shape = f"{short}[{P},{HV},128,128]"  # no copy of the pool: the kernels write in place
     assert not re.search(re.escape(pool_shape) + r"\{[^}]*\} copy\(", text)

@@ -15,8 +15,8 @@
   (``return_chunk_states`` is refused: ``Capabilities.chunk_states`` is False).
 - ``forward_pooled``: the ragged op's requests after its decodes on the forward kernel, which
   reads their starts from and writes their final and checkpoint states to the pool's slots in
-  place (pooled.py); ``supports_pooled`` takes a float32 pool and a checkpoint period that is a
-  multiple of ``bt``.
+  place (pooled.py); ``supports_pooled`` takes a float32 or bfloat16 pool and a checkpoint
+  period that is a multiple of ``bt``.
 - Config: :class:`~gdn2_pallas_tpu.config.PallasTpuConfig`, the core fields (``bt``,
   ``wy_eps``, ``interpret``; the level scheme has no sub-chunks and never forms a positive
   exponent, chunk_math.py) and the knobs of interpret mode (race detection, simulated cores, the
@@ -141,13 +141,13 @@ class PallasTpuBackend(Backend):
     def supports_pooled(
         self, spec: OpSpec, config: KernelConfig, requests: PoolRequests, pool_dtype: str
     ) -> Verdict:
-        """A float32 pool (the kernel's DMAs move float32 states), a checkpoint period that is a
+        """A float32 or bfloat16 pool (staged in its dtype, the states float32), a checkpoint period that is a
         multiple of the chunk (a checkpoint is then a chunk's end, pooled.py), and a chunk table
         that fits SMEM."""
         from gdn2_pallas_tpu import varlen
 
-        if pool_dtype != "float32":
-            return Verdict(False, f"pool: pooled requests need a float32 pool, got {pool_dtype}")
+        if pool_dtype not in ("float32", "bfloat16"):
+            return Verdict(False, f"pool: expected a float32 or bfloat16 pool, got {pool_dtype}")
         config = PallasTpuConfig.from_config(config)
         act = spec.activations if spec.activations.any else None
         plan = pooled_plan(spec, config, vmem_capacity_bytes(), act, requests.stores, 1)

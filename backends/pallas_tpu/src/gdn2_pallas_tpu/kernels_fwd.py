@@ -155,6 +155,7 @@ def forward_call(
     res = (B, plan.head_groups, plan.n_steps)  # residuals: one block per grid step
     G = plan.pool_groups
     stage = (hb, G * K, V // G) if plan.pooled else (hb, K, V)  # a state's DMA staging
+    slot_dtype = seq_h0.dtype if plan.pooled else F32  # the pool's dtype, or f32 states
     packed = blocks.residual_spec(plan, plan.residual_block, step_of)  # T^T | A_qk
     entry = blocks.residual_spec(plan, (hb, K, V), step_of)  # step entry states
     kernel_refs = refs.Table(
@@ -175,7 +176,7 @@ def forward_call(
         refs.Output(  # per-sequence final states, written by DMAs
             "seq_h_final",
             blocks.hbm_any(),
-            jax.ShapeDtypeStruct(seq_h0.shape, F32) if plan.varlen else None,
+            jax.ShapeDtypeStruct(seq_h0.shape, slot_dtype) if plan.varlen else None,
         ),
         refs.Output(
             "TA_out",
@@ -185,7 +186,7 @@ def forward_call(
         refs.Output("state_out", entry, on(save, jax.ShapeDtypeStruct((*res, hb, K, V), F32))),
         refs.Scratch("S", pltpu.VMEM((hb, K, V), F32)),
         # a state's DMA staging (the pooled kernel moves slots to and from S directly)
-        refs.Scratch("seq_buf", on(plan.varlen, pltpu.VMEM(stage, F32))),
+        refs.Scratch("seq_buf", on(plan.varlen, pltpu.VMEM(stage, slot_dtype))),
         refs.Scratch("seq_sem", on(plan.varlen, pltpu.SemaphoreType.DMA(()))),
         refs.Scratch("o_stage", io.out_stage(V, v.dtype)),  # o staging
         refs.Scratch("o_sems", io.out_sems(1)),

@@ -121,10 +121,10 @@ def from_padded(y: jax.Array, lay: Layout) -> jax.Array:
 class PoolStates:
     """In the forward kernel: the pool's slots of the chunks of one grid step.
 
-    ``table`` the SMEM chunk table; ``pool_in`` and ``pool_out`` the ``[P, H, G, K, dv]`` float32
-    pool in HBM (one buffer, aliased); ``sem`` one DMA semaphore. A slot moves between HBM and
-    the carried state ``[hb, K, G dv]`` by ``G`` DMAs, one per value head of a group, into or
-    out of its ``dv`` value columns: no VMEM staging, no copy."""
+    ``table`` the SMEM chunk table; ``pool_in`` and ``pool_out`` the ``[P, H, G K, dv]`` pool in
+    HBM (one buffer, aliased), float32 or bfloat16; ``buf`` a ``[hb, G K, dv]`` VMEM buffer in
+    the pool's dtype; ``sem`` one DMA semaphore. The carried state is float32: a slot is widened
+    when read and rounded once when written."""
 
     def __init__(self, plan, table, pool_in, pool_out, buf, sem, head_group, step):
         self.plan, self.table, self.buf, self.sem = plan, table, buf, sem
@@ -143,14 +143,16 @@ class PoolStates:
         hbm = pool.at[slot, pl.ds(self.head_group * plan.hb, plan.hb)]  # [hb, G K, dv]
         if not into_state:
             for i in range(G):  # value head i of a group: value columns i dv ... (i + 1) dv
-                self.buf[:, i * K : (i + 1) * K] = state[:, :, i * dv : (i + 1) * dv]
+                part = state[:, :, i * dv : (i + 1) * dv]  # [hb, K, dv] f32
+                self.buf[:, i * K : (i + 1) * K] = part.astype(self.buf.dtype)  # rounded once
         src, dst = (hbm, self.buf) if into_state else (self.buf, hbm)
         copy = pltpu.make_async_copy(src, dst, self.sem)
         copy.start()
         copy.wait()
         if into_state:
             for i in range(G):
-                state[:, :, i * dv : (i + 1) * dv] = self.buf[:, i * K : (i + 1) * K]
+                part = self.buf[:, i * K : (i + 1) * K]  # [hb, K, dv] in the pool's dtype
+                state[:, :, i * dv : (i + 1) * dv] = part.astype(state.dtype)
 
     def enter(self, j: int, state) -> None:
         """``state`` (the carried ``[hb, K, G dv]`` ref) set as chunk ``j``'s MODE says."""

@@ -278,7 +278,7 @@ def gdn2_pallas_varlen(q, k, v, w, b, g, seq_h0, cu_seqlens, plan: Plan, trainab
 def gdn2_pallas_pooled(q, k, v, w, b, g, pool, cu_seqlens, requests, plan: Plan, A_log=None,
                        dt_bias=None):  # fmt: skip
     """A ragged call's packed requests against the pool (pooled.py): q..g ``(1, T, H, d)``, the
-    pool ``(P, HV, K, dv)`` float32, ``requests`` a ``PoolRequests``; ``plan`` is the plan of the
+    pool ``(P, HV, K, dv)`` float32 or bfloat16, ``requests`` a ``PoolRequests``; ``plan`` is the plan of the
     chunk-aligned row (``pool_groups = HV / H``). Returns ``(o, pool)``, the pool in place."""
     lay = pooled.layout(cu_seqlens, requests, q.shape[1], plan.C, plan.t_pad)
     xs = [pooled.to_padded(x, lay) for x in (q, k, v, w, b)]
