@@ -41,7 +41,7 @@ class ForwardRefs:
     gate_params: object | None  # [hb, 2, K] f32 exp(A_log), dt_bias (plan.gate)
     table: object | None  # SMEM [3, n_chunks] int32 chunk table (plan.varlen, varlen.py)
     seq_h0: object | None  # [N, H, K, V] f32 in HBM: per-sequence initial states (plan.varlen),
-    #   or the pool [P, H, G, K, V / G] f32 (plan.pooled)
+    #   or the pool [P, H, G K, V / G] in its dtype (plan.pooled)
     h0: object  # [hb, K, V] f32
     o: object  # [B, H, t_pad, V] in HBM (HEAD_MAJOR), or the [nc C, hb, V] block
     h_final: object  # [hb, K, V] f32
@@ -51,7 +51,8 @@ class ForwardRefs:
     state_out: object | None  # [hb, K, V] f32: the state entering this step
     # Scratch.
     S: object  # [hb, K, V] f32 the carried state
-    seq_buf: object | None  # [hb, K, V] f32 staging of per-sequence states (plan.varlen)
+    seq_buf: object | None  # [hb, K, V] f32 staging of per-sequence states (plan.varlen), or of
+    #   slots [hb, G K, V / G] in the pool's dtype (plan.pooled)
     seq_sem: object | None  # its DMA semaphore
     o_stage: object | None  # [hb, nc C, V] output staging for the DMAs (HEAD_MAJOR)
     o_sems: object | None  # DMA semaphores (1, hb) (HEAD_MAJOR)
@@ -185,7 +186,7 @@ def forward_call(
         ),
         refs.Output("state_out", entry, on(save, jax.ShapeDtypeStruct((*res, hb, K, V), F32))),
         refs.Scratch("S", pltpu.VMEM((hb, K, V), F32)),
-        # a state's DMA staging (the pooled kernel moves slots to and from S directly)
+        # a state's DMA staging: [hb, K, V] f32, or a slot [hb, G K, V / G] in the pool's dtype
         refs.Scratch("seq_buf", on(plan.varlen, pltpu.VMEM(stage, slot_dtype))),
         refs.Scratch("seq_sem", on(plan.varlen, pltpu.SemaphoreType.DMA(()))),
         refs.Scratch("o_stage", io.out_stage(V, v.dtype)),  # o staging

@@ -396,10 +396,11 @@ def pooled_plan(spec: OpSpec, config: KernelConfig, vmem_capacity: int, activati
                 pool_groups: int) -> Plan:  # fmt: skip
     """The plan of a pooled call: the chunk-aligned row of ``spec.n_seqs`` requests (pooled.py),
     one batch row; ``stores``: with checkpoints (a filler before each request)."""
-    from gdn2_pallas_tpu import pooled
+    from gdn2_pallas_tpu import varlen
 
     plan = make_plan(spec, config, vmem_capacity, activations=activations, n_seqs=spec.n_seqs)
-    t_pad = pooled.padded_length(spec.seq_len, spec.n_seqs, plan.C, plan.step_len, stores)
+    wasted = spec.n_seqs * (2 if stores else 1)  # chunks the requests may waste (pooled.py)
+    t_pad = varlen.padded_length(spec.seq_len, wasted, plan.C, plan.step_len)
     return dataclasses.replace(
         plan, batch=1, seq_len=t_pad, n_seqs=spec.n_seqs, pool_groups=pool_groups,
         pool_checkpoints=stores,

@@ -33,7 +33,6 @@ of the input ref and the writes of the aliased output ref never meet.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Final
 
 import jax
@@ -48,15 +47,10 @@ CARRY, FROM_SLOT, FROM_ZEROS, FROM_NAN = 0, 1, 2, 3  # MODE values
 ROWS: Final = 4
 
 
-def padded_length(seq_len: int, n_seqs: int, C: int, step_len: int, stores: bool) -> int:
-    """Static length of the row: every request may waste ``2 C`` with checkpoints, else ``C``."""
-    waste = (2 if stores else 1) * C
-    return max(1, math.ceil((seq_len + n_seqs * waste) / step_len)) * step_len
-
-
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Where the tokens go (arrays computed under jit); as varlen.Layout."""
+    """Where the tokens go (arrays computed under jit); as varlen.Layout (``varlen.to_padded``
+    moves the tokens), with ``placed`` for :func:`from_padded`."""
 
     position: jax.Array  # [T] int32: each token's position in the row (t_pad: not placed)
     placed: jax.Array  # [T] bool: the token belongs to a request
@@ -104,12 +98,6 @@ def layout(cu_seqlens, requests: PoolRequests, seq_len: int, C: int, t_pad: int)
         ckpt = ckpt.at[jnp.where(keep, at, n_chunks)].set(slot + 1, mode="drop")
     table = jnp.stack([read, mode, out, ckpt]).astype(jnp.int32)
     return Layout(position.astype(jnp.int32), placed, source, table)
-
-
-def to_padded(x: jax.Array, lay: Layout, fill: float = 0.0) -> jax.Array:
-    """(1, T, H, d) -> (1, t_pad, H, d): tokens moved to their positions, ``fill`` elsewhere."""
-    pad = jnp.full((1, 1, *x.shape[2:]), fill, x.dtype)
-    return jnp.concatenate([x, pad], axis=1)[:, lay.source]
 
 
 def from_padded(y: jax.Array, lay: Layout) -> jax.Array:

@@ -254,6 +254,17 @@ def _no_gradient(x):
 gdn2_pallas_trainable.defvjp(_vjp_fwd, _vjp_bwd)
 
 
+def _padded_inputs(x, lay, plan: Plan):
+    """``(q, k, v, w, b, g)`` moved into the chunk-aligned row of ``lay`` (varlen.py or
+    pooled.py), and the zero h0 of the row. A padding or filler token must leave the state
+    unchanged: g = 0, or with a fused gate the raw value whose activation is 0 (softplus(-inf) =
+    sigmoid(-inf) = 0)."""
+    *rest, g = x
+    g_fill = -jnp.inf if plan.gate else 0.0
+    xs = [varlen.to_padded(a, lay) for a in rest] + [varlen.to_padded(g, lay, fill=g_fill)]
+    return xs, jnp.zeros((1, plan.heads, plan.dk, plan.dv), jnp.float32)
+
+
 def gdn2_pallas_varlen(q, k, v, w, b, g, seq_h0, cu_seqlens, plan: Plan, trainable: bool,
                        A_log=None, dt_bias=None, continues=None):  # fmt: skip
     """Packed sequences by ``cu_seqlens`` (varlen.py): q..g ``(1, T, H, d)``, ``seq_h0``
@@ -261,12 +272,7 @@ def gdn2_pallas_varlen(q, k, v, w, b, g, seq_h0, cu_seqlens, plan: Plan, trainab
     ``n_seqs = N``); ``continues`` ``(N,)`` bool or None (forward only: those sequences start
     from the carried state). Returns ``(o, seq_h_final)``."""
     lay = varlen.layout(cu_seqlens, q.shape[1], plan.C, plan.t_pad, continues)
-    xs = [varlen.to_padded(x, lay) for x in (q, k, v, w, b)]
-    # A padding token must leave the state unchanged: g = 0, or with a fused gate the raw value
-    # whose activation is 0 (softplus(-inf) = sigmoid(-inf) = 0).
-    g_fill = -jnp.inf if plan.gate else 0.0
-    xs.append(varlen.to_padded(g, lay, fill=g_fill))
-    h0 = jnp.zeros((1, plan.heads, plan.dk, plan.dv), jnp.float32)
+    xs, h0 = _padded_inputs((q, k, v, w, b, g), lay, plan)
     ex = Extras(A_log=A_log, dt_bias=dt_bias, table=lay.table, seq_h0=seq_h0.astype(jnp.float32))
     if trainable:
         o, _, seq_h_final = gdn2_pallas_trainable(*xs, h0, ex, plan)
@@ -278,13 +284,11 @@ def gdn2_pallas_varlen(q, k, v, w, b, g, seq_h0, cu_seqlens, plan: Plan, trainab
 def gdn2_pallas_pooled(q, k, v, w, b, g, pool, cu_seqlens, requests, plan: Plan, A_log=None,
                        dt_bias=None):  # fmt: skip
     """A ragged call's packed requests against the pool (pooled.py): q..g ``(1, T, H, d)``, the
-    pool ``(P, HV, K, dv)`` float32 or bfloat16, ``requests`` a ``PoolRequests``; ``plan`` is the plan of the
-    chunk-aligned row (``pool_groups = HV / H``). Returns ``(o, pool)``, the pool in place."""
+    pool ``(P, HV, K, dv)`` float32 or bfloat16, ``requests`` a ``PoolRequests``; ``plan`` is the
+    plan of the chunk-aligned row (``pool_groups = HV / H``). Returns ``(o, pool)``, the pool in
+    place."""
     lay = pooled.layout(cu_seqlens, requests, q.shape[1], plan.C, plan.t_pad)
-    xs = [pooled.to_padded(x, lay) for x in (q, k, v, w, b)]
-    g_fill = -jnp.inf if plan.gate else 0.0  # a filler token leaves the state unchanged
-    xs.append(pooled.to_padded(g, lay, fill=g_fill))
-    h0 = jnp.zeros((1, plan.heads, plan.dk, plan.dv), jnp.float32)
+    xs, h0 = _padded_inputs((q, k, v, w, b, g), lay, plan)
     slots, _hv, dk, dv = pool.shape
     view = pool.reshape(slots, plan.heads, plan.pool_groups * dk, dv)  # [P, H, G K, dv]
     ex = Extras(A_log=A_log, dt_bias=dt_bias, table=lay.table, seq_h0=view)

@@ -7,8 +7,8 @@ nothing.
 
 Calls the pooled forward cannot take run the pieces path of :mod:`gdn2core.ops.ragged.run` on
 the same backend: a backend without it, or whose ``supports_pooled`` refuses the call (on
-pallas_tpu: a checkpoint period the chunk does not divide, a chunk table too long for SMEM), and calls with
-draft slots (a draft state follows any token, not a chunk's end).
+pallas_tpu: a checkpoint period the chunk does not divide, a chunk table too long for SMEM),
+and calls with draft slots (a draft state follows any token, not a chunk's end).
 """
 
 from __future__ import annotations
