@@ -126,3 +126,33 @@ def test_refusals_name_the_problem():
     with pytest.raises(ValueError, match=r"head_axes: given but no mesh"):
         head_plan(spec, x[0], mesh=None, head_axes="h")
     assert head_plan(spec, x[0], mesh=None, head_axes=None) is None  # no mesh: one device
+
+
+def test_pallas_tpu_pooled_forward_on_two_devices_in_interpret_mode():
+    """pallas_tpu (interpret mode) under the mesh: H = 16, HV = 32 over 2 devices, 8 key heads
+    per device (token-major: the pooled kernel reads the flat tokens), the engine's padding NaN;
+    against the single-device reference at 5e-5 (the kernels' float32 tolerance,
+    tests/pallas_tpu/test_ragged_pallas.py), the slots the step does not name bit for bit."""
+    from gdn2core import KernelConfig
+    from tests.pallas_tpu.helpers import ragged_tokens
+    from tests.pallas_tpu.test_pooled_flat_tokens import FLAT, FLAT_PADDING, FLAT_T, FLAT_WRITTEN
+
+    slots = 12
+    x, pool = ragged_tokens(FLAT_T, 7, 16, 32, 64, 64, slots, padding_from=FLAT_PADDING)
+    o_ref, new_ref = gdn2_ragged_reference(*x, pool, **FLAT)
+    mesh = mesh_of((2,), ("heads",))
+
+    def step(x, pool):
+        return gdn2_ragged(
+            *x, pool, num_decodes=1, backend="pallas_tpu", mesh=mesh, head_axes="heads",
+            config=KernelConfig(bt=16, interpret=True), **FLAT,
+        )  # fmt: skip
+
+    assert "gdn2_fwd_pooled" in str(jax.make_jaxpr(step)(x, pool))
+    o, new = jax.jit(step, donate_argnums=(1,))(x, jnp.array(pool, copy=True))
+    assert rel_err(o[:FLAT_PADDING], o_ref[:FLAT_PADDING]) < 5e-5
+    np.testing.assert_array_equal(np.asarray(o[FLAT_PADDING:]), 0.0)
+    assert rel_err(new, new_ref) < 5e-5
+    keep = [i for i in range(slots) if i not in FLAT_WRITTEN]
+    np.testing.assert_array_equal(np.asarray(new)[keep], np.asarray(pool)[keep])
+    assert tuple(new.sharding.spec)[:2] == (None, "heads"), new.sharding

@@ -43,3 +43,23 @@ def outputs_and_grads(fn, args, do, dh):
 def reference_value_and_grad(args, do, dh):
     """Outputs and the seven gradients of the float32 token-serial reference."""
     return reference_outputs_and_grads(_as_inputs(args, do, dh))
+
+
+def ragged_tokens(t, seed, heads, value_heads, dk, dv, slots, padding_from=None):
+    """Flat tokens of a ragged step and a pool: ``((q, k, v, w, b, g), pool)``, q, k, b, g
+    ``(t, heads, dk)``, v, w ``(t, value_heads, dv)``, the pool ``(slots, value_heads, dk, dv)``;
+    from token ``padding_from`` on every input is NaN (an engine's padding may hold anything)."""
+    import jax
+
+    ks = jax.random.split(jax.random.PRNGKey(seed), 7)
+    q = jax.random.normal(ks[0], (t, heads, dk))
+    k = jax.random.normal(ks[1], (t, heads, dk)) * dk**-0.5
+    v = jax.random.normal(ks[2], (t, value_heads, dv))
+    w = jax.nn.sigmoid(jax.random.normal(ks[3], (t, value_heads, dv)))
+    b = jax.nn.sigmoid(jax.random.normal(ks[4], (t, heads, dk)))
+    g = -0.3 * jax.nn.softplus(jax.random.normal(ks[5], (t, heads, dk)))
+    x = (q, k, v, w, b, g)
+    if padding_from is not None:
+        x = tuple(a.at[padding_from:].set(jnp.nan) for a in x)
+    pool = 0.3 * jax.random.normal(ks[6], (slots, value_heads, dk, dv))
+    return x, pool

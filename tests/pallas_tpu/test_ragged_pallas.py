@@ -23,21 +23,15 @@ from gdn2_pallas_tpu.config import PallasTpuConfig
 from gdn2_tools.tpu import compile_for_tpu, topology_mesh
 from gdn2core import KernelConfig, gdn2_ragged, gdn2_ragged_reference
 
+from .helpers import ragged_tokens
+
 H, HV, DK, DV, P = 1, 2, 64, 64, 12
 TOL = 5e-5
 INTERPRET = KernelConfig(bt=16, interpret=True)
 
 
 def _tokens(t, seed):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 7)
-    q = jax.random.normal(ks[0], (t, H, DK))
-    k = jax.random.normal(ks[1], (t, H, DK)) * DK**-0.5
-    v = jax.random.normal(ks[2], (t, HV, DV))
-    w = jax.nn.sigmoid(jax.random.normal(ks[3], (t, HV, DV)))
-    b = jax.nn.sigmoid(jax.random.normal(ks[4], (t, H, DK)))
-    g = -0.3 * jax.nn.softplus(jax.random.normal(ks[5], (t, H, DK)))
-    pool = 0.3 * jax.random.normal(ks[6], (P, HV, DK, DV))
-    return (q, k, v, w, b, g), pool
+    return ragged_tokens(t, seed, H, HV, DK, DV, P)
 
 
 #: Two decodes (one of 2 tokens), a padded request, a new prefill and a resumed one, padding.
@@ -198,14 +192,23 @@ def test_a_supports_pooled_that_raises_refuses_the_pooled_forward(monkeypatch):
     assert rel_err(o, o_ref) < TOL and rel_err(new, new_ref) < TOL
 
 
-@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
-def test_ragged_call_compiles_to_mosaic_for_v5e_with_the_pool_in_place(pool_dtype):
+@pytest.mark.parametrize(
+    "pool_dtype, heads, value_heads",
+    [(jnp.float32, H, HV), (jnp.bfloat16, H, HV), (jnp.float32, 16, 32)],
+    ids=["float32", "bfloat16", "token-major"],
+)
+def test_ragged_call_compiles_to_mosaic_for_v5e_with_the_pool_in_place(
+    pool_dtype, heads, value_heads
+):
+    """H = 1 (head-major: XLA moves the inputs into the padded row) and H = 16, HV = 32
+    (token-major: the pooled kernel reads the flat tokens, flat_tokens.py, and the only token-row
+    gather left is the output's)."""
     mesh = topology_mesh("v5e:1x1")
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     t, n = 64, 5
-    key = jax.ShapeDtypeStruct((t, H, 128), jnp.bfloat16, sharding=rep)
-    val = jax.ShapeDtypeStruct((t, HV, 128), jnp.bfloat16, sharding=rep)
-    pool = jax.ShapeDtypeStruct((P, HV, 128, 128), pool_dtype, sharding=rep)
+    key = jax.ShapeDtypeStruct((t, heads, 128), jnp.bfloat16, sharding=rep)
+    val = jax.ShapeDtypeStruct((t, value_heads, 128), jnp.bfloat16, sharding=rep)
+    pool = jax.ShapeDtypeStruct((P, value_heads, 128, 128), pool_dtype, sharding=rep)
     ints = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=rep)
     cu = jax.ShapeDtypeStruct((n + 1,), jnp.int32, sharding=rep)
     ck = jax.ShapeDtypeStruct((n, 2), jnp.int32, sharding=rep)
@@ -225,5 +228,37 @@ def test_ragged_call_compiles_to_mosaic_for_v5e_with_the_pool_in_place(pool_dtyp
     assert kernels == {"gdn2_decode", "gdn2_fwd_pooled"}, kernels
     assert "input_output_alias={ {1}: (6," in text
     short = "f32" if pool_dtype == jnp.float32 else "bf16"
-    pool_shape = f"{short}[{P},{HV},128,128]"  # no copy of the pool: the kernels write in place
+    pool_shape = f"{short}[{P},{value_heads},128,128]"  # no copy: the kernels write in place
     assert not re.search(re.escape(pool_shape) + r"\{[^}]*\} copy\(", text)
+    if heads % 8 == 0:  # the flat tokens: o's gather [T, H, G dv] is the only token-row one
+        rows = re.findall(r"= bf16\[(\d+),\d+,\d+\]\{[^}]*\} gather\(", text)
+        assert [int(r) for r in rows if int(r) >= t] == [t], rows
+
+
+def test_ragged_call_under_a_head_mesh_compiles_to_mosaic_for_v5e_2x2():
+    """gdn2_ragged on pallas_tpu with H = 32, HV = 32 * 2 split over the 4 chips of a v5e 2x2
+    slice (8 key heads per chip: the token-major pooled kernel on each), the pool's value heads
+    split with them and donated: the kernels lower to Mosaic inside the shard_map and update
+    the pool in place."""
+    mesh = topology_mesh("v5e:2x2")
+    heads, value_heads, t, n = 32, 64, 64, 5
+    split = lambda *spec: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))  # noqa: E731
+    key = jax.ShapeDtypeStruct((t, heads, 128), jnp.bfloat16, sharding=split(None, "x", None))
+    val = jax.ShapeDtypeStruct((t, value_heads, 128), jnp.bfloat16, sharding=split(None, "x"))
+    pool = jax.ShapeDtypeStruct((P, value_heads, 128, 128), jnp.float32, sharding=split(None, "x"))
+    ints = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=split())
+    cu = jax.ShapeDtypeStruct((n + 1,), jnp.int32, sharding=split())
+
+    def step(q, k, v, w, b, g, pool, cu, idx):
+        return gdn2_ragged(
+            q, k, v, w, b, g, pool, cu_seqlens=cu, state_indices=idx, num_decodes=2,
+            backend="pallas_tpu", mesh=mesh, head_axes="x",
+        )  # fmt: skip
+
+    compiled = compile_for_tpu(step, key, key, val, val, key, key, pool, cu, ints,
+                               donate_argnums=(6,))  # fmt: skip
+    text = compiled.as_text()
+    assert "tpu_custom_call" in text and "gdn2_fwd_pooled" in text and "gdn2_decode" in text
+    assert "input_output_alias={ {1}: (6," in text
+    per_chip = f"f32[{P},{value_heads // 4},128,128]"  # the pool's shard, never copied
+    assert not re.search(re.escape(per_chip) + r"\{[^}]*\} copy\(", text)

@@ -180,6 +180,8 @@ def test_chunk_table_smem_bytes_as_mosaic_pads_it():
     """3 rows padded to 4, chunks to multiples of 128 int32 words; the budget is 7/8 of 1 MiB."""
     assert varlen.table_smem_bytes(1) == varlen.table_smem_bytes(128) == 4 * 128 * 4
     assert varlen.table_smem_bytes(129) == 4 * 256 * 4
+    # the pooled forward's 7 rows (pooled.ROWS) are 8 as laid out (3 -> 4 is the measured case)
+    assert varlen.table_smem_bytes(128, rows=7) == 8 * 128 * 4
     assert varlen.table_smem_bytes(65536) == 2**20  # the compiler refuses it (full tier)
     assert varlen.table_smem_budget() == 917504 == varlen.table_smem_bytes(57344)
     assert varlen.table_smem_bytes(57345) > varlen.table_smem_budget()

@@ -381,7 +381,8 @@ class Backend(abc.ABC):
             requests: the slots each request reads and writes.
 
         Returns:
-            ``(o, pool)``: o ``(1, T, H, dv)`` in v's dtype (zero on tokens of no request); the
+            ``(o, pool)``: o ``(1, T, H, dv)`` in v's dtype (zero on tokens of no request and
+            of padded requests: ``writes`` -1 and ``starts`` ``FROM_ZEROS``); the
             pool with the written slots replaced (rounded once to its dtype) and every other
             slot bit for bit as given.
         """

@@ -144,7 +144,7 @@ class PallasTpuBackend(Backend):
         """A float32 or bfloat16 pool (staged in its dtype, the states float32), a checkpoint period that is a
         multiple of the chunk (a checkpoint is then a chunk's end, pooled.py), and a chunk table
         that fits SMEM."""
-        from gdn2_pallas_tpu import varlen
+        from gdn2_pallas_tpu import pooled, varlen
 
         if pool_dtype not in ("float32", "bfloat16"):
             return Verdict(False, f"pool: expected a float32 or bfloat16 pool, got {pool_dtype}")
@@ -154,7 +154,7 @@ class PallasTpuBackend(Backend):
         every = requests.stored_every
         if requests.stores and every % plan.C:
             return Verdict(False, f"checkpoint_every={every} is not a multiple of bt={plan.C}")
-        reason = varlen.table_refusal(spec.n_seqs, spec.seq_len, plan.C, plan.t_pad)
+        reason = varlen.table_refusal(spec.n_seqs, spec.seq_len, plan.C, plan.t_pad, pooled.ROWS)
         return Verdict(False, reason) if reason else YES
 
     def forward_pooled(

@@ -12,6 +12,9 @@ Its token tiles come in one of two layouts (:class:`~gdn2_pallas_tpu.plan.Layout
   (``hb = 8`` heads of every token, one DMA) and swap them to head-major in VMEM; outputs are
   ordinary blocks of the same shape.
 
+The index maps ignore the scalar-prefetch refs that follow the grid indices (a kernel with a
+prefetched chunk table passes them to every index map).
+
 Either way the kernel body sees units ``[U, C, d]`` (``U = hb nc``, unit ``= head * nc + chunk``).
 
 Residuals of the training forward are laid out per grid step, so that each step reads one
@@ -53,22 +56,22 @@ def reverse_step(n_steps: int):
     return step_of
 
 
-def _head_tile_index(batch, head_group, step, *, head: int, hb: int, step_of: Callable):
+def _head_tile_index(batch, head_group, step, *_, head: int, hb: int, step_of: Callable):
     """HEAD_MAJOR: the tile of head ``head_group * hb + head``, tokens of step ``step_of(step)``."""
     return (batch, head_group * hb + head, step_of(step), I0)
 
 
-def _token_block_index(batch, head_group, step, *, step_of: Callable):
+def _token_block_index(batch, head_group, step, *_, step_of: Callable):
     """TOKEN_MAJOR: the ``(nc C, hb, d)`` block of step ``step_of(step)``, heads of the group."""
     return (batch, step_of(step), head_group, I0)
 
 
-def _state_index(batch, head_group, step):
+def _state_index(batch, head_group, step, *_):
     """The ``hb`` consecutive heads' ``[K, V]`` states of a head group (contiguous)."""
     return (batch, head_group, I0, I0)
 
 
-def _residual_index(batch, head_group, step, *, step_of: Callable):
+def _residual_index(batch, head_group, step, *_, step_of: Callable):
     """A step's residual block: one contiguous block per grid step."""
     return (batch, head_group, step_of(step), I0, I0, I0)
 
@@ -157,7 +160,7 @@ class TokenIO:
         return y[:, :T] if self.plan.t_pad != T else y
 
 
-def _starts_index(batch, head_group, step, *, step_of: Callable):
+def _starts_index(batch, head_group, step, *_, step_of: Callable):
     """The step's tokens of the ``(B, t_pad, 1)`` sequence-start flags (the same for every head)."""
     return (batch, step_of(step), I0)
 
@@ -188,7 +191,7 @@ def sequence_starts(segment_ids: jax.Array, plan: Plan) -> jax.Array:
     return starts[:, :, None]
 
 
-def _head_group_index(batch, head_group, step):
+def _head_group_index(batch, head_group, step, *_):
     """The ``hb`` heads of a head group of an ``(H, ...)`` per-head parameter array."""
     return (head_group, I0, I0)
 

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gdn2_pallas_tpu import activations as act
-from gdn2_pallas_tpu import blocks, pooled, refs, varlen
+from gdn2_pallas_tpu import blocks, flat_tokens, pooled, refs, varlen
 from gdn2_pallas_tpu import chunk_math as cm
 from gdn2_pallas_tpu.cost import cost_forward
 from gdn2_pallas_tpu.matmul import mm, mm_tn
@@ -31,7 +31,10 @@ F32 = jnp.float32
 class ForwardRefs:
     """The kernel's refs by name, as :func:`forward_call`'s table (refs.py) lists them."""
 
-    q: tuple  # the step's tiles (blocks.TokenIO): hb x [nc C, K], or one [nc C, hb, K]
+    table: object | None  # SMEM [3, n_chunks] int32 chunk table (plan.varlen, varlen.py), or
+    #   [7, n_chunks] (plan.pooled, pooled.py); scalar-prefetched: the index maps may read it
+    q: tuple  # the step's tiles (blocks.TokenIO): hb x [nc C, K], or one [nc C, hb, K], or
+    #   nc x [C, hb, K] (plan.flat_tokens, flat_tokens.py)
     k: tuple
     v: tuple  # ... V
     w: tuple
@@ -39,7 +42,6 @@ class ForwardRefs:
     g: tuple
     starts: object | None  # [nc C, 1] f32 sequence starts (plan.segments)
     gate_params: object | None  # [hb, 2, K] f32 exp(A_log), dt_bias (plan.gate)
-    table: object | None  # SMEM [3, n_chunks] int32 chunk table (plan.varlen, varlen.py)
     seq_h0: object | None  # [N, H, K, V] f32 in HBM: per-sequence initial states (plan.varlen),
     #   or the pool [P, H, G K, V / G] in its dtype (plan.pooled)
     h0: object  # [hb, K, V] f32
@@ -68,9 +70,7 @@ def pack_residual(T: jax.Array, A_qk: jax.Array) -> jax.Array:
 
 
 def _forward_kernel(r: ForwardRefs, *, plan: Plan, save: bool):
-    io = blocks.TokenIO(plan, blocks.forward_step)
-    batch, head_group, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    K, V, p = plan.dk, plan.dv, plan.precisions
+    step = pl.program_id(2)
 
     @pl.when(step == 0)
     def _():
@@ -79,13 +79,43 @@ def _forward_kernel(r: ForwardRefs, *, plan: Plan, save: bool):
     if save:
         r.state_out[...] = r.S[...]
 
-    q, k, b, g = (io.load(x, K) for x in (r.q, r.k, r.b, r.g))  # [U, C, K]
-    v, w = (io.load(x, V) for x in (r.v, r.w))  # [U, C, V]
+    if not plan.flat_tokens:
+        _step(r, plan, save, None)
+        return
+    # Two copies of the step: one rolls the chunks' rows (a window clamped near an end of the
+    # flat tokens, flat_tokens.py), the other, nearly every step, has no roll at all.
+    rolled = flat_tokens.FlatTokens(plan, r.table, step, roll=True)
+    needs = rolled.needs_roll()
+
+    @pl.when(needs)
+    def _():
+        _step(r, plan, save, rolled)
+
+    @pl.when(jnp.logical_not(needs))
+    def _():
+        _step(r, plan, save, flat_tokens.FlatTokens(plan, r.table, step, roll=False))
+
+
+def _step(r: ForwardRefs, plan: Plan, save: bool, flat: flat_tokens.FlatTokens | None):
+    """One grid step after its entry state: phase A, the state pass, the outputs; ``flat``: the
+    step's chunks from the flat tokens (plan.flat_tokens), else None."""
+    io = blocks.TokenIO(plan, blocks.forward_step)
+    batch, head_group, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    K, V, p = plan.dk, plan.dv, plan.precisions
+    if flat is None:
+        q, k, b, g = (io.load(x, K) for x in (r.q, r.k, r.b, r.g))  # [U, C, K]
+        v, w = (io.load(x, V) for x in (r.v, r.w))  # [U, C, V]
+    else:  # v, w as (T, HV, dv): G value heads per kernel head
+        q, k, b, g = (flat.load(x, K) for x in (r.q, r.k, r.b, r.g))  # [U, C, K]
+        v, w = (flat.load(x, V, plan.pool_groups) for x in (r.v, r.w))  # [U, C, V]
+    valid = flat.valid() if flat is not None else None  # [U, C, 1] the requests' rows
     if plan.fused:  # raw inputs -> activated, in VMEM only
+        valid = act.valid_rows(plan, step) if valid is None else valid  # [U, C, 1]
         gp = None if r.gate_params is None else blocks.load_gate_params(r.gate_params, plan)
-        valid = act.valid_rows(plan, step)  # [U, C, 1]
         x = act.activate(q, k, b, w, g, gp, plan.activations, plan.l2norm_eps, valid)
         q, k, b, w, g = x.q, x.k, x.b, x.w, x.g
+    if flat is not None:  # rows of other requests or none: zero tokens
+        q, k, v, w, b, g = flat.mask(valid, q, k, v, w, b, g)
     g = cm.clamp_log_decay(g)  # [U, C, K]
     seg = None if r.starts is None else cm.Segments.from_starts(blocks.load_starts(r.starts, plan))
     L = cm.chunk_local(q, k, v, w, b, g, seg)
@@ -150,16 +180,22 @@ def forward_call(
     B, H, K, V, hb = plan.batch, plan.heads, plan.dk, plan.dv, plan.hb
     step_of = blocks.forward_step
     io = blocks.TokenIO(plan, step_of)
-    keys, vals = io.in_specs(K), io.in_specs(V)
+    G = plan.pool_groups
+    o_shape = v.shape
+    if plan.flat_tokens:  # nc element windows of the flat tokens per step; v, w (T, HV, dv)
+        keys, vals = flat_tokens.in_specs(plan, K), flat_tokens.in_specs(plan, V, G)
+        o_shape = (B, plan.t_pad, H, V)  # o in the row (token-major), gathered back by XLA
+    else:
+        keys, vals = io.in_specs(K), io.in_specs(V)
     state = blocks.state_spec(plan)
     on = lambda flag, x: x if flag else None  # noqa: E731  (None: absent)
     res = (B, plan.head_groups, plan.n_steps)  # residuals: one block per grid step
-    G = plan.pool_groups
     stage = (hb, G * K, V // G) if plan.pooled else (hb, K, V)  # a state's DMA staging
     slot_dtype = seq_h0.dtype if plan.pooled else F32  # the pool's dtype, or f32 states
     packed = blocks.residual_spec(plan, plan.residual_block, step_of)  # T^T | A_qk
     entry = blocks.residual_spec(plan, (hb, K, V), step_of)  # step entry states
     kernel_refs = refs.Table(
+        refs.Prefetch("table", table if plan.varlen else None),  # SMEM, seen by the index maps
         refs.Input("q", keys, q),
         refs.Input("k", keys, k),
         refs.Input("v", vals, v),
@@ -168,11 +204,10 @@ def forward_call(
         refs.Input("g", keys, g),
         refs.Input("starts", blocks.starts_spec(plan, step_of), on(plan.segments, starts)),
         refs.Input("gate_params", blocks.gate_params_spec(plan), on(plan.gate, gate_params)),
-        refs.Input("table", pl.BlockSpec(memory_space=pltpu.SMEM), on(plan.varlen, table)),
         refs.Input("seq_h0", blocks.hbm_any(), on(plan.varlen, seq_h0)),
         refs.Input("h0", state, h0),
         # o, in v's kernel layout
-        refs.Output("o", io.out_spec(V), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        refs.Output("o", io.out_spec(V), jax.ShapeDtypeStruct(o_shape, v.dtype)),
         refs.Output("h_final", state, jax.ShapeDtypeStruct((B, H, K, V), F32)),
         refs.Output(  # per-sequence final states, written by DMAs
             "seq_h_final",
@@ -196,10 +231,13 @@ def forward_call(
     return pl.pallas_call(
         kernel_refs.kernel(functools.partial(_forward_kernel, plan=plan, save=save), ForwardRefs),
         out_shape=kernel_refs.out_shape,
-        grid=plan.grid(),
-        in_specs=kernel_refs.in_specs,
-        out_specs=kernel_refs.out_specs,
-        scratch_shapes=kernel_refs.scratch_shapes,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=kernel_refs.num_scalar_prefetch,
+            grid=plan.grid(),
+            in_specs=kernel_refs.in_specs,
+            out_specs=kernel_refs.out_specs,
+            scratch_shapes=kernel_refs.scratch_shapes,
+        ),
         input_output_aliases=kernel_refs.input_output_aliases,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),

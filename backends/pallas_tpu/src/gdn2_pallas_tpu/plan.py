@@ -183,6 +183,7 @@ class Plan:
     n_seqs: int = 0  # cu_seqlens: the number of packed sequences (varlen.py); 0 otherwise
     pool_groups: int = 0  # pooled requests (pooled.py): the pool's value heads per head; 0: none
     pool_checkpoints: bool = False  # pooled requests that store checkpoints (pooled.py)
+    token_rows: int = 0  # pooled, token-major: the flat tokens the kernel reads (flat_tokens.py)
 
     @property
     def varlen(self) -> bool:
@@ -193,6 +194,12 @@ class Plan:
     def pooled(self) -> bool:
         """The sequences are a ragged call's requests, their states slots of a pool (pooled.py)."""
         return self.pool_groups > 0
+
+    @property
+    def flat_tokens(self) -> bool:
+        """The pooled forward reads its chunks from the flat tokens (flat_tokens.py), not from
+        a row XLA moved them into."""
+        return self.token_rows > 0
 
     @property
     def fused(self) -> bool:
@@ -395,13 +402,15 @@ def varlen_plan(spec: OpSpec, config: KernelConfig, vmem_capacity: int, activati
 def pooled_plan(spec: OpSpec, config: KernelConfig, vmem_capacity: int, activations, stores: bool,
                 pool_groups: int) -> Plan:  # fmt: skip
     """The plan of a pooled call: the chunk-aligned row of ``spec.n_seqs`` requests (pooled.py),
-    one batch row; ``stores``: with checkpoints (a filler before each request)."""
+    one batch row; ``stores``: with checkpoints (a filler before each request). Token-major
+    calls read the flat tokens (``token_rows``: ``T``, at least one chunk; flat_tokens.py)."""
     from gdn2_pallas_tpu import varlen
 
     plan = make_plan(spec, config, vmem_capacity, activations=activations, n_seqs=spec.n_seqs)
     wasted = spec.n_seqs * (2 if stores else 1)  # chunks the requests may waste (pooled.py)
     t_pad = varlen.padded_length(spec.seq_len, wasted, plan.C, plan.step_len)
+    flat = plan.layout is Layout.TOKEN_MAJOR
     return dataclasses.replace(
         plan, batch=1, seq_len=t_pad, n_seqs=spec.n_seqs, pool_groups=pool_groups,
-        pool_checkpoints=stores,
+        pool_checkpoints=stores, token_rows=max(spec.seq_len, plan.C) if flat else 0,
     )  # fmt: skip

@@ -2,15 +2,24 @@
 gdn2core.features.pooled): the forward kernel reads each request's start from its slot and writes
 its final and checkpoint states to theirs by DMA, the pool aliased in place.
 
-Layout (XLA, outside the kernel), as varlen.py's but for requests: each request starts at a chunk
-boundary after ``positions % C`` filler tokens (``k = 0, g = 0``: the state passes unchanged), so
-every absolute position that is a multiple of ``C``, and so every checkpoint (``stored_every`` a
-multiple of ``C``), is the end of a chunk. A request wastes at most ``2 C - 2`` positions (the
-filler and its last chunk's padding; ``C - 1`` without checkpoints, where there is no filler), an
-empty one none: the row's static length is ``t_pad >= T + N C`` (``2 N C`` with checkpoints). Tokens
-of no request (the decodes' before the first request, the padding after the last) are not placed.
+Layout: each request starts at a chunk boundary of a row of ``t_pad`` positions, after
+``positions % C`` filler positions (empty rows: the state passes unchanged), so every absolute
+position that is a multiple of ``C``, and so every checkpoint (``stored_every`` a multiple of
+``C``), is the end of a chunk. A request wastes at most ``2 C - 2`` positions (the filler and its
+last chunk's padding; ``C - 1`` without checkpoints, where there is no filler), an empty one
+none: the row's static length is ``t_pad >= T + N C`` (``2 N C`` with checkpoints). Tokens of no
+request (the decodes' before the first request, the padding after the last) are not placed.
 
-The chunk table (SMEM, ``[4, n_chunks]`` int32, the rows Mosaic pads 3 to anyway) says per chunk:
+The tokens are not moved to that row. With the token-major layout (``plan.flat_tokens``: H a
+multiple of 8) the kernel reads each chunk straight from the flat ``(T, H, d)`` arrays at the
+token where its row would start (flat_tokens.py), and zeroes the rows that are not its
+request's. Only the output is written in the row and gathered back (:func:`from_padded`). A
+head-major call (H not a multiple of 8) cannot: its token axis is the tiled second-minor one,
+where the TPU compiler takes no unaligned window ("Couldn't prove that tiling (8) divides
+index"), so XLA moves its inputs into the row first (``varlen.to_padded``, :attr:`Layout.source`).
+
+The chunk table (SMEM, ``[7, n_chunks]`` int32, scalar-prefetched: the index maps read it) says
+per chunk:
 
 - ``READ``, ``MODE``: at a request's first chunk the state is its slot ``READ`` (``MODE`` =
   ``FROM_SLOT``), zeros (``FROM_ZEROS``) or NaN (``FROM_NAN``); elsewhere (``CARRY``) the state the
@@ -19,10 +28,14 @@ The chunk table (SMEM, ``[4, n_chunks]`` int32, the rows Mosaic pads 3 to anyway
   0: none.
 - ``CKPT``: one more than the checkpoint slot of the state leaving the chunk, 0: none (the same
   chunk may have both: a request ending on a checkpoint).
+- ``REL``: the flat token of the chunk's row 0, less the chunk's own start ``c C`` (0 for a
+  request that is where the row puts it); ``LO``, ``HI``: the chunk's rows ``[LO, HI)`` are its
+  request's tokens, the others are zeroed (``LO = HI = 0``: a chunk of no request).
 
-Zero means "nothing" in every row, so a table of zeros moves no state: the TPU compiler's static
-profile simulates the kernel with such a table and so prices no slot DMA (they are priced by
-their bytes instead, ``gdn2 bench --serve``).
+Zero means "nothing" in every row, so a table of zeros moves no state and reads the tokens in
+order: the TPU compiler's static profile simulates the kernel with such a table and so prices
+the token reads of a plain forward and no slot DMA (those are priced by their bytes instead,
+``gdn2 bench --serve``).
 
 The pool is viewed as ``[P, H, G, K, dv]`` (a free reshape): kernel head ``h`` holds the ``G``
 value heads ``h G ... h G + G - 1`` of a grouped call side by side in its ``G dv`` value columns,
@@ -40,22 +53,23 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from gdn2core.plugin import FROM_ZEROS as START_ZEROS
 from gdn2core.plugin import PoolRequests
 
-READ, MODE, OUT, CKPT = 0, 1, 2, 3  # rows of the chunk table
+READ, MODE, OUT, CKPT, REL, LO, HI = range(7)  # rows of the chunk table
 CARRY, FROM_SLOT, FROM_ZEROS, FROM_NAN = 0, 1, 2, 3  # MODE values
-ROWS: Final = 4
+ROWS: Final = 7
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Where the tokens go (arrays computed under jit); as varlen.Layout (``varlen.to_padded``
-    moves the tokens), with ``placed`` for :func:`from_padded`."""
+    moves the tokens of a head-major call), with ``placed`` for :func:`from_padded`."""
 
     position: jax.Array  # [T] int32: each token's position in the row (t_pad: not placed)
-    placed: jax.Array  # [T] bool: the token belongs to a request
+    placed: jax.Array  # [T] bool: the token belongs to a request, not a padded one
     source: jax.Array  # [t_pad] int32: the token at every position (T: a filler token)
-    table: jax.Array  # [4, t_pad / C] int32: READ, MODE, OUT, CKPT per chunk
+    table: jax.Array  # [7, t_pad / C] int32: READ, MODE, OUT, CKPT, REL, LO, HI per chunk
 
 
 def layout(cu_seqlens, requests: PoolRequests, seq_len: int, C: int, t_pad: int) -> Layout:
@@ -75,6 +89,8 @@ def layout(cu_seqlens, requests: PoolRequests, seq_len: int, C: int, t_pad: int)
     req = jnp.searchsorted(cu[1:], token, side="right").astype(jnp.int32)  # [T], N: after all
     placed = (token >= cu[0]) & (req < n)
     rq = jnp.minimum(req, n - 1)
+    padded = (requests.writes[rq] < 0) & (requests.starts[rq] == START_ZEROS)
+    placed = placed & ~padded  # a padded request's o is zero (Backend.forward_pooled)
     position = jnp.where(placed, first_chunk[rq] * C + front[rq] + token - cu[rq], t_pad)
     source = jnp.full((t_pad,), seq_len, jnp.int32).at[position].set(token, mode="drop")
 
@@ -86,22 +102,34 @@ def layout(cu_seqlens, requests: PoolRequests, seq_len: int, C: int, t_pad: int)
     first = used & (chunk == first_chunk[rc])
     last = used & (chunk == end_chunk[rc] - 1)
     start = requests.starts[rc]  # [n_chunks]
-    mode = jnp.where(start >= 0, FROM_SLOT, jnp.where(start == -1, FROM_ZEROS, FROM_NAN))
+    mode = jnp.where(start >= 0, FROM_SLOT, jnp.where(start == START_ZEROS, FROM_ZEROS, FROM_NAN))
     mode = jnp.where(first, mode, CARRY)
     read = jnp.where(first & (start >= 0), start, 0)
     out = jnp.where(last, requests.writes[rc] + 1, 0)  # slot + 1, 0: none
+    # The flat token of each chunk's row 0, and its rows that are its request's tokens.
+    want = cu[rc] - front[rc] + (chunk - first_chunk[rc]) * C  # [n_chunks]
+    rel = jnp.where(used, want - chunk * C, 0)
+    lo = jnp.where(used, jnp.clip(cu[rc] - want, 0, C), 0)
+    hi = jnp.where(used, jnp.clip(cu[rc + 1] - want, 0, C), 0)
     ckpt = jnp.zeros((n_chunks,), jnp.int32)
     if requests.stores:
         local, slot = requests.stored_tokens, requests.stored_slots  # [N, M]
         at = first_chunk[:, None] + (front[:, None] + local) // C  # [N, M] the chunk it ends
         keep = (local >= 0) & (slot >= 0)
         ckpt = ckpt.at[jnp.where(keep, at, n_chunks)].set(slot + 1, mode="drop")
-    table = jnp.stack([read, mode, out, ckpt]).astype(jnp.int32)
+    table = jnp.stack([read, mode, out, ckpt, rel, lo, hi]).astype(jnp.int32)
     return Layout(position.astype(jnp.int32), placed, source, table)
 
 
+def flat_row(x: jax.Array, C: int) -> jax.Array:
+    """The flat ``(1, T, H, d)`` tokens as the kernel reads them (flat_tokens.py): unchanged, or
+    zero padded to one chunk when ``T < C`` (a chunk's window is ``C`` tokens)."""
+    pad = C - x.shape[1]
+    return jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad > 0 else x
+
+
 def from_padded(y: jax.Array, lay: Layout) -> jax.Array:
-    """(1, t_pad, H, d) -> (1, T, H, d), zero on the tokens of no request."""
+    """(1, t_pad, H, d) -> (1, T, H, d), zero on the tokens of no request or a padded one."""
     got = y[:, jnp.minimum(lay.position, y.shape[1] - 1)]
     return jnp.where(lay.placed[None, :, None, None], got, 0).astype(y.dtype)
 

@@ -42,17 +42,22 @@ SMEM_CAPACITY: Final = 2**20
 #: Share of the SMEM the chunk table may take; the rest is headroom for the compiler's own scalars
 #: in SMEM (grid indices, DMA descriptors, spilled scalars: about 1.1 KiB in these kernels).
 SMEM_TABLE_SHARE: Final = 0.875
-#: The table's rows as Mosaic lays them out in SMEM: 3 padded to 4 (the compiler allocates
-#: ``[3, n]`` int32 as 4 n words; the second-minor dimension is padded to a power of two).
-TABLE_ROWS_PADDED: Final = 4
+#: The table's rows: SEQ, FIRST, LAST (the pooled forward's table has more, pooled.py).
+TABLE_ROWS: Final = 3
 #: The chunks are padded to whole rows of 128 words.
 SMEM_LANES: Final = 128
 INT32_BYTES: Final = 4
 
 
-def table_smem_bytes(n_chunks: int) -> int:
-    """SMEM bytes of the ``[3, n_chunks]`` int32 chunk table as Mosaic allocates it (padded)."""
-    return TABLE_ROWS_PADDED * math.ceil(n_chunks / SMEM_LANES) * SMEM_LANES * INT32_BYTES
+def rows_padded(rows: int) -> int:
+    """The table's rows as Mosaic lays them out in SMEM: padded to a power of two (the compiler
+    allocates ``[3, n]`` int32 as 4 n words, ``[7, n]`` as 8 n)."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+def table_smem_bytes(n_chunks: int, rows: int = TABLE_ROWS) -> int:
+    """SMEM bytes of a ``[rows, n_chunks]`` int32 chunk table as Mosaic allocates it (padded)."""
+    return rows_padded(rows) * math.ceil(n_chunks / SMEM_LANES) * SMEM_LANES * INT32_BYTES
 
 
 def table_smem_budget() -> int:
@@ -60,14 +65,16 @@ def table_smem_budget() -> int:
     return int(SMEM_TABLE_SHARE * SMEM_CAPACITY)
 
 
-def table_refusal(n_seqs: int, seq_len: int, C: int, t_pad: int) -> str | None:
-    """None when the chunk table of a row of ``t_pad`` tokens (``n_seqs`` sequences in
-    ``seq_len`` tokens, chunks of ``C``) fits its SMEM budget, else the reason."""
+def table_refusal(
+    n_seqs: int, seq_len: int, C: int, t_pad: int, rows: int = TABLE_ROWS
+) -> str | None:
+    """None when the ``rows``-row chunk table of a row of ``t_pad`` tokens (``n_seqs`` sequences
+    in ``seq_len`` tokens, chunks of ``C``) fits its SMEM budget, else the reason."""
     n_chunks = t_pad // C
-    need, budget = table_smem_bytes(n_chunks), table_smem_budget()
+    need, budget = table_smem_bytes(n_chunks, rows), table_smem_budget()
     if need <= budget:
         return None
-    most = budget // (TABLE_ROWS_PADDED * INT32_BYTES)
+    most = budget // (rows_padded(rows) * INT32_BYTES)
     return (
         f"cu_seqlens: {n_seqs} sequences in T={seq_len} tokens make a row of {n_chunks} chunks "
         f"of bt={C} (each sequence padded to whole chunks), whose chunk table needs {need} bytes "

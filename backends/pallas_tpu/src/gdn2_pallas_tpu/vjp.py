@@ -288,9 +288,20 @@ def gdn2_pallas_pooled(q, k, v, w, b, g, pool, cu_seqlens, requests, plan: Plan,
     plan of the chunk-aligned row (``pool_groups = HV / H``). Returns ``(o, pool)``, the pool in
     place."""
     lay = pooled.layout(cu_seqlens, requests, q.shape[1], plan.C, plan.t_pad)
-    xs, h0 = _padded_inputs((q, k, v, w, b, g), lay, plan)
-    slots, _hv, dk, dv = pool.shape
+    slots, hv, dk, dv = pool.shape
     view = pool.reshape(slots, plan.heads, plan.pool_groups * dk, dv)  # [P, H, G K, dv]
     ex = Extras(A_log=A_log, dt_bias=dt_bias, table=lay.table, seq_h0=view)
-    o, _, new = gdn2_pallas_forward(*xs, h0, plan, ex)
+    if not plan.flat_tokens:
+        xs, h0 = _padded_inputs((q, k, v, w, b, g), lay, plan)
+        o, _, new = gdn2_pallas_forward(*xs, h0, plan, ex)
+        return pooled.from_padded(o, lay), new.reshape(pool.shape)
+    # The kernel reads the flat tokens (flat_tokens.py), v and w as the caller laid them out
+    # (T, HV, dv): the core's (T, H, G dv) view of them and this one cancel, no relayout.
+    t = q.shape[1]
+    v, w = v.reshape(1, t, hv, dv), w.reshape(1, t, hv, dv)
+    xs = [pooled.flat_row(x, plan.C) for x in (q, k, v, w, b, g)]
+    h0 = jnp.zeros((1, plan.heads, plan.dk, plan.dv), jnp.float32)
+    gate = _gate_params(A_log, dt_bias, plan)
+    call = functools.partial(forward_call, plan=plan, save=False)
+    o, _, new = _on_tpu_only(_fold_vmap(call, plan), plan, *xs, None, gate, lay.table, view, h0)
     return pooled.from_padded(o, lay), new.reshape(pool.shape)

@@ -2,7 +2,9 @@
 
 The ragged op's requests after its decodes are a packed row (``extras.cu_seqlens``, ``N + 1``
 offsets into the row's ``T`` tokens; tokens before ``cu_seqlens[0]`` or from ``cu_seqlens[N]`` on
-belong to no request: they are not computed and their ``o`` is zero). Request ``n`` starts from
+belong to no request: they are not computed and their ``o`` is zero). A padded request (``writes``
+``-1`` and ``starts`` :data:`FROM_ZEROS`) writes nothing and its ``o`` is zero too, so the core
+needs no pass over ``o`` after the backend. Request ``n`` starts from
 a slot of the pool, from zeros or from NaN (:attr:`PoolRequests.starts`), and its final state goes
 to a slot (:attr:`PoolRequests.writes`). Stored states (prefix checkpoints) are taken after the
 tokens :attr:`PoolRequests.stored_tokens` names, at absolute positions that are multiples of

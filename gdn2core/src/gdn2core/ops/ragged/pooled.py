@@ -100,9 +100,5 @@ def run_pooled(call: Call, x, pool: jax.Array) -> tuple[jax.Array, jax.Array] | 
     o, pool = chosen.forward_pooled(
         *inputs, pool, spec=view, config=config, extras=more, requests=requests
     )  # o: [1, T, H', dv']
-    o = o.reshape(t, spec.heads, spec.dv)  # [T, HV, dv]: grouped heads are free to split
-    token = jnp.arange(t, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu[1:], token, side="right")  # [T]
-    padded = jnp.concatenate([call.slots.padded[d:], jnp.ones((1,), bool)])[seq]  # [T]
-    silent = padded | (token < cu[0])
-    return jnp.where(silent[:, None, None], 0.0, o).astype(x[2].dtype), pool
+    # o is zero on the decodes' tokens, the padding and padded requests (Backend.forward_pooled)
+    return o.reshape(t, spec.heads, spec.dv).astype(x[2].dtype), pool  # [T, HV, dv]

@@ -1,0 +1,137 @@
+"""The pooled forward's token tiles read straight from the flat ``(1, T, H, d)`` arrays of a
+ragged call (``plan.flat_tokens``; pooled.py has the row and the chunk table), so XLA moves no
+input into the row.
+
+Chunk ``c`` of the row wants the flat tokens ``want = c C + REL[c]`` to ``want + C``: where its
+request's rows would start, the filler before a request and the padding after it included. Its
+``(C, hb, d)`` block is an element window (``pl.Element``) of the token-major array, whose token
+axis is untiled, so any start is one DMA; the grid step's ``nc`` chunks are ``nc`` BlockSpecs,
+pipelined like any block. Near the ends of the array the window is clamped into it,
+``src = clip(want, 0, T - C)``, and the chunk's rows are its block's rows rolled by
+``src - want`` (``|src - want| < C``). The kernel has two copies of a grid step, with and
+without the rolls, and runs the first only where a chunk of the step needs it (a request within
+``C`` tokens of either end of the array): rolling every chunk by a traced shift, 0 nearly always,
+cost 3% of the kernel, and a ``lax.cond`` around each roll more (its value is materialised for
+both branches; TPU compiler static estimate, 8 prefills of 256 tokens, v5e: 1.44M cycles with
+the conds, 1.39M rolling always, 1.34M without rolls). The rows ``[LO, HI)`` of a chunk are
+its request's tokens; the others (a neighbour's, the decodes', the engine's padding: any value,
+NaN included) are replaced by zeros after the activations (:meth:`FlatTokens.mask`), so they
+leave the state unchanged and never meet another row.
+
+Grouped value heads: v and w are read as the caller laid them out, ``(T, HV, dv)`` (the core's
+``(T, H, G dv)`` view of them, a relayout on a TPU, and the backend's view back cancel in XLA),
+``G`` windows of ``hb`` value heads per chunk, and joined in VMEM into the kernel head's ``G dv``
+value columns (:func:`join_groups`). One window of ``hb G`` heads would be fewer DMAs, but the
+static profile classifies it remote and prices the whole kernel at 0.
+
+VMEM: the windows of a step are the bytes of the one ``(nc C, hb, d)`` block of the padded row,
+double-buffered the same way (plan.vmem_bytes counts them unchanged).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from gdn2_pallas_tpu import pooled
+from gdn2_pallas_tpu.blocks import I0
+from gdn2_pallas_tpu.chunk_math import iota
+from gdn2_pallas_tpu.plan import Plan
+
+F32 = jnp.float32
+
+
+def window(table, chunk, plan: Plan):
+    """``(src, want)``: the first flat token of chunk ``chunk``'s block, and of its rows."""
+    want = chunk * plan.C + table[pooled.REL, chunk]
+    return jnp.minimum(jnp.maximum(want, 0), plan.token_rows - plan.C), want
+
+
+def _chunk_index(batch, head_group, step, table, *, j: int, part: int, groups: int, plan: Plan):
+    """Element offsets of part ``part`` of chunk ``j`` of the step: ``(batch, src, first head,
+    0)``."""
+    src, _ = window(table, step * plan.nc + j, plan)
+    return (batch, src, (head_group * groups + part) * plan.hb, I0)
+
+
+def in_specs(plan: Plan, d: int, groups: int = 1) -> list[pl.BlockSpec]:
+    """``G`` ``(C, hb, d / G)`` element windows per chunk of a step, chunk by chunk (refs.py
+    passes the array once per spec): for v and w, ``groups = G`` value heads per kernel head,
+    read as the caller laid them out, ``(T, HV, dv)``, ``hb`` heads a window (a window of
+    ``hb G`` heads is a DMA the TPU compiler's static profile classifies remote and prices at 0,
+    the whole kernel with it)."""
+    shape = (None, pl.Element(plan.C), pl.Element(plan.hb), pl.Element(d // groups))
+    index = functools.partial(_chunk_index, groups=groups, plan=plan)
+    return [
+        pl.BlockSpec(shape, functools.partial(index, j=j, part=m))
+        for j in range(plan.nc)
+        for m in range(groups)
+    ]
+
+
+def join_groups(x: jax.Array, groups: int) -> jax.Array:
+    """``[hb G, n, dv]`` -> ``[hb, n, G dv]``: a kernel head's ``G`` value heads side by side in
+    its value columns (a split of the major axis and a lane concatenation)."""
+    if groups == 1:
+        return x
+    x = x.reshape(x.shape[0] // groups, groups, *x.shape[1:])  # [hb, G, n, dv]
+    return jnp.concatenate([x[:, i] for i in range(groups)], axis=2)
+
+
+class FlatTokens:
+    """In the kernel: the chunks of grid step ``step`` from the refs of :func:`in_specs`."""
+
+    def __init__(self, plan: Plan, table, step, roll: bool):
+        self.plan, self.table, self.step, self.roll = plan, table, step, roll
+
+    def _shift(self, j: int):
+        """The roll of chunk ``j``'s block rows, in ``[0, C)``: 0 unless its window is clamped."""
+        src, want = window(self.table, self.step * self.plan.nc + j, self.plan)
+        shift = src - want  # row i of the chunk is row i - shift of the block
+        return jnp.where(shift < 0, shift + self.plan.C, shift)  # no rem (the profiler's)
+
+    def needs_roll(self):
+        """Whether a chunk of the step with rows to read has a clamped window."""
+        needs = jnp.bool_(False)
+        for j in range(self.plan.nc):
+            chunk = self.step * self.plan.nc + j
+            rows = self.table[pooled.LO, chunk] < self.table[pooled.HI, chunk]
+            needs = needs | (rows & (self._shift(j) != 0))
+        return needs
+
+    def _chunk(self, refs, j: int, groups: int) -> jax.Array:
+        """Chunk ``j``'s rows ``[hb, C, G d]`` float32 (rows outside ``[LO, HI)`` unspecified)."""
+        x = jnp.concatenate([ref[...] for ref in refs], axis=1)  # G x [C, hb, d] -> [C, hb G, d]
+        x = jnp.swapaxes(x, 0, 1).astype(F32)  # [hb G, C, d]
+        x = join_groups(x, groups)  # [hb, C, G d]
+        return pltpu.roll(x, self._shift(j), 1) if self.roll else x
+
+    def load(self, refs, d: int, groups: int = 1) -> jax.Array:
+        """The step's chunks as float32 units ``[U, C, d]`` (unit ``= head * nc + chunk``)."""
+        plan = self.plan
+        parts = [refs[j * groups : (j + 1) * groups] for j in range(plan.nc)]
+        x = jnp.stack([self._chunk(p, j, groups) for j, p in enumerate(parts)], axis=1)
+        return x.reshape(plan.units, plan.C, d)  # [hb, nc, C, d] -> [U, C, d]
+
+    def valid(self) -> jax.Array:
+        """``[U, C, 1]`` bool: the rows that are their chunk's request's tokens."""
+        plan = self.plan
+        shape = (plan.hb, plan.nc, plan.C, 1)
+        row, j = iota(shape, 2), iota(shape, 1)
+        lo = jnp.zeros(shape, jnp.int32)
+        hi = jnp.zeros(shape, jnp.int32)
+        for c in range(plan.nc):  # the table's scalars, broadcast to their chunk's rows
+            chunk = self.step * plan.nc + c
+            lo = jnp.where(j == c, self.table[pooled.LO, chunk], lo)
+            hi = jnp.where(j == c, self.table[pooled.HI, chunk], hi)
+        return ((row >= lo) & (row < hi)).reshape(plan.units, plan.C, 1)
+
+    @staticmethod
+    def mask(valid: jax.Array, *xs: jax.Array) -> tuple[jax.Array, ...]:
+        """Each ``[U, C, d]`` of ``xs`` with the rows outside ``valid`` set to zero (a select: a
+        NaN there never reaches a product)."""
+        return tuple(jnp.where(valid, x, 0.0) for x in xs)

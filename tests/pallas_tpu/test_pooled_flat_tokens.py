@@ -1,0 +1,114 @@
+"""The pooled forward reading a ragged call's flat tokens (token-major heads, H a multiple of 8;
+flat_tokens.py): each chunk is an element window of the flat arrays, clamped into them near their
+ends (its rows rolled), the rows of other requests and of the engine's padding zeroed. Interpret
+mode against the token-serial ragged reference (the deviceless v5e compile of the same path is
+the ``token-major`` case of test_ragged_pallas.py's compile test).
+
+Tolerance: 5e-5 relative in float32, as tests/pallas_tpu/test_ragged_pallas.py (the chunked
+forward's documented error is 1.7e-5; a row read from the wrong token, or a neighbour's row
+left in, gives errors of order 1, and a NaN row of the padding left in gives NaN).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdn2_conformance import rel_err
+from gdn2_pallas_tpu.config import PallasTpuConfig
+from gdn2core import KernelConfig, gdn2_ragged, gdn2_ragged_reference
+
+from .helpers import ragged_tokens
+
+H, HV, DK, DV, P = 8, 16, 64, 64, 12  # H = 8: the token-major layout, whose tokens are read flat
+TOL = 5e-5
+INTERPRET = KernelConfig(bt=16, interpret=True)
+
+#: bt = 16, checkpoints every 16, T = 56 with the engine's padding from token 47 on: a decode
+#: (token 0); a resumed request at context 7 from token 1 (its window starts 6 tokens before the
+#: array: clamped to 0, rolled, the decode's row zeroed); a new request of 21 tokens (a
+#: checkpoint after its token 15); a resumed one at context 33 whose last window runs past the
+#: array's end (clamped, rolled; the padding's NaN rows zeroed).
+FLAT = dict(
+    cu_seqlens=[0, 1, 9, 30, 47],
+    state_indices=[2, 5, 9, 0],
+    has_initial_state=[True, True, False, True],
+    checkpoint_every=16,
+    context_lens=[15, 7, 0, 33],
+    checkpoint_slots=[[1, -1], [3, -1], [4, -1], [6, 10]],
+)
+FLAT_T, FLAT_PADDING = 56, 47
+#: Slots the step writes: finals 2, 5, 9, 0; checkpoints 1 (the decode's), 4, 6.
+FLAT_WRITTEN = (0, 1, 2, 4, 5, 6, 9)
+
+
+def _tokens(t, seed, padding_from=None):
+    return ragged_tokens(t, seed, H, HV, DK, DV, P, padding_from)
+
+
+def _row_gathers(t: int, fn, *args) -> int:
+    """Float gathers of a token row (``t`` tokens or more) in the program: the inputs' moves
+    into the padded row and the output's move back (the decodes' own gathers are shorter)."""
+    text = str(jax.make_jaxpr(fn)(*args))
+    rows = re.findall(r":f32\[1,(\d+),\d+,\d+\] = gather", text)
+    return sum(int(r) >= t for r in rows)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused-gates-races"])
+def test_pooled_forward_reads_the_flat_tokens(fused):
+    """The mixed step on the flat tokens; with ``fused``: the gate, L2 norm and sigmoids in the
+    kernel (the garbage rows activated, then zeroed), two simulated cores with race detection and
+    a random order of the head groups."""
+    x, pool = _tokens(FLAT_T, seed=1, padding_from=FLAT_PADDING)
+    feats, config = {}, INTERPRET
+    if fused:
+        ks = jax.random.split(jax.random.PRNGKey(5), 3)
+        q, k, v, w, _, _ = x
+        b = jax.random.normal(ks[0], (FLAT_T, H, DK)).at[FLAT_PADDING:].set(jnp.nan)
+        g = jax.random.normal(ks[1], (FLAT_T, H, DK)).at[FLAT_PADDING:].set(jnp.nan)
+        x = (q, k, v, w, b, g)
+        feats = dict(
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_bw_sigmoid_in_kernel=True,
+            A_log=jnp.log(jnp.linspace(0.5, 2.0, H)),
+            dt_bias=0.1 * jax.random.normal(ks[2], (H, DK)),
+        )  # fmt: skip
+        config = PallasTpuConfig(
+            bt=16, interpret=True, interpret_detect_races=True, interpret_cores=2,
+            interpret_seed=3,
+        )  # fmt: skip
+
+    def step(pool, *x):
+        return gdn2_ragged(
+            *x, pool, num_decodes=1, backend="pallas_tpu", config=config, **FLAT, **feats
+        )
+
+    # one gather of a token row: the output's, out of the padded row (none of the inputs)
+    assert _row_gathers(FLAT_T, step, pool, *x) == 1
+    o_ref, new_ref = gdn2_ragged_reference(*x, pool, **FLAT, **feats)
+    o, new = step(pool, *x)
+    assert rel_err(o[:FLAT_PADDING], o_ref[:FLAT_PADDING]) < TOL
+    np.testing.assert_array_equal(np.asarray(o[FLAT_PADDING:]), 0.0)  # padding: zero, not NaN
+    assert rel_err(new, new_ref) < TOL
+    untouched = [s for s in range(P) if s not in FLAT_WRITTEN]
+    np.testing.assert_array_equal(np.asarray(new)[untouched], np.asarray(pool)[untouched])
+
+
+def test_pooled_forward_on_fewer_tokens_than_a_chunk():
+    """T = 10 < bt = 16: the flat tokens are padded to one chunk's window; a resumed request at
+    context 7 (its window starts before the array) and one at context 20."""
+    kw = dict(
+        cu_seqlens=[0, 3, 10],
+        state_indices=[3, 4],
+        context_lens=[7, 20],
+        checkpoint_every=16,
+        checkpoint_slots=[[1, -1], [2, 6]],
+    )
+    x, pool = _tokens(10, seed=2)
+    o_ref, new_ref = gdn2_ragged_reference(*x, pool, **kw)
+    o, new = gdn2_ragged(*x, pool, backend="pallas_tpu", config=INTERPRET, **kw)
+    assert rel_err(o, o_ref) < TOL
+    assert rel_err(new, new_ref) < TOL
