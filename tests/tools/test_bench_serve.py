@@ -13,7 +13,7 @@ import pytest
 import gdn2core
 from gdn2_conformance import ReferenceBackend
 from gdn2_tools.bench.cli import bench_main
-from gdn2_tools.bench.serve import Heads, Scenario, Step, hbm_bound_us
+from gdn2_tools.bench.serve import Heads, Scenario, Step, hbm_bound_us, state_dma_us
 from gdn2core import gdn2_ragged
 
 TINY = ["-H", "2", "--value-heads", "4", "--dk", "64", "--dv", "64", "--repeats", "2"]
@@ -63,6 +63,20 @@ def test_scenarios_and_their_metadata():
     assert not step.has_initial_state[64:].any() and step.has_initial_state[:64].all()
     plain = Step.build(s, None, seed=0)
     assert plain.checkpoint_slots is None and plain.pool_size == 66
+
+
+def test_state_dmas_are_priced_in_the_pool_dtype():
+    """The ragged call moves slots in the pool's dtype (half the bytes in bfloat16); the separate
+    call's per-sequence states are float32 whatever the pool."""
+    s = Scenario.parse("64x1+2x2048")
+    step = Step.build(s, 64, seed=0)
+    f32, bf16 = (Heads(16, 32, 128, 128, "float32", dt) for dt in ("float32", "bfloat16"))
+    ragged = [state_dma_us("ragged", s, step, h, "v5e") for h in (f32, bf16)]
+    assert ragged[1] == pytest.approx(ragged[0] / 2)
+    # 2 prompts written, 65 checkpoints: 67 float32 states of 2 MiB at v5e's 819 GB/s
+    assert ragged[0] == pytest.approx(67 * 2**21 / 819e9 * 1e6)
+    separate = [state_dma_us("separate", s, step, h, "v5e") for h in (f32, bf16)]
+    assert separate[0] == separate[1]
 
 
 def test_serve_bench_gates_and_times_against_the_separate_calls(tmp_path):

@@ -406,11 +406,15 @@ def hbm_bound_us(scenario: Scenario, step: Step, heads: Heads, tpu: str) -> floa
 
 def state_dma_us(kind: str, scenario: Scenario, step: Step, heads: Heads, tpu: str) -> float:
     """The packed forward's per-request state DMAs at the HBM rate: each prompt's start read
-    (when it has one), its final state written and, in the ragged call, every checkpoint stored,
-    float32 states. The static profile simulates the forward kernels with a chunk table of zeros,
-    which moves no state (varlen.py, pooled.py), so these DMAs are priced by their bytes and added
-    to the kernels."""
-    state = heads.HV * heads.dk * heads.dv * 4
+    (when it has one), its final state written and, in the ragged call, every checkpoint stored;
+    in the pool's dtype for the ragged call (the pooled forward moves slots as they are stored),
+    float32 for the separate call's per-sequence states. The static profile simulates the forward
+    kernels with a chunk table of zeros, which moves no state (varlen.py, pooled.py), so these
+    DMAs are priced by their bytes and added to the kernels."""
+    import jax.numpy as jnp
+
+    itemsize = 4 if kind == "separate" else jnp.dtype(heads.pool_dtype).itemsize
+    state = heads.HV * heads.dk * heads.dv * itemsize
     first = 0 if kind == "packed" else scenario.n_decodes  # the packed forward's requests
     reads = int(step.has_initial_state[first:].sum())
     writes = len(scenario.lens) - first
