@@ -30,6 +30,7 @@ double-buffered the same way (plan.vmem_bytes counts them unchanged).
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import jax
@@ -85,22 +86,28 @@ def join_groups(x: jax.Array, groups: int) -> jax.Array:
 class FlatTokens:
     """In the kernel: the chunks of grid step ``step`` from the refs of :func:`in_specs`."""
 
-    def __init__(self, plan: Plan, table, step, roll: bool):
+    def __init__(self, plan: Plan, table, step, roll: bool = False):
         self.plan, self.table, self.step, self.roll = plan, table, step, roll
+        chunks = [step * plan.nc + j for j in range(plan.nc)]
+        self.lo = [table[pooled.LO, c] for c in chunks]  # the step's chunks' request rows
+        self.hi = [table[pooled.HI, c] for c in chunks]
+        self.shifts = []  # the roll of each chunk's block rows, in [0, C): 0 unless clamped
+        for c in chunks:
+            src, want = window(table, c, plan)
+            shift = src - want  # row i of the chunk is row i - shift of the block
+            self.shifts.append(jnp.where(shift < 0, shift + plan.C, shift))  # no rem (profiler)
 
-    def _shift(self, j: int):
-        """The roll of chunk ``j``'s block rows, in ``[0, C)``: 0 unless its window is clamped."""
-        src, want = window(self.table, self.step * self.plan.nc + j, self.plan)
-        shift = src - want  # row i of the chunk is row i - shift of the block
-        return jnp.where(shift < 0, shift + self.plan.C, shift)  # no rem (the profiler's)
+    def rolled(self, roll: bool) -> FlatTokens:
+        """The same chunks, read with (``roll``) or without their rolls."""
+        other = copy.copy(self)
+        other.roll = roll
+        return other
 
     def needs_roll(self):
         """Whether a chunk of the step with rows to read has a clamped window."""
         needs = jnp.bool_(False)
-        for j in range(self.plan.nc):
-            chunk = self.step * self.plan.nc + j
-            rows = self.table[pooled.LO, chunk] < self.table[pooled.HI, chunk]
-            needs = needs | (rows & (self._shift(j) != 0))
+        for lo, hi, shift in zip(self.lo, self.hi, self.shifts, strict=True):
+            needs = needs | ((lo < hi) & (shift != 0))
         return needs
 
     def _chunk(self, refs, j: int, groups: int) -> jax.Array:
@@ -108,7 +115,7 @@ class FlatTokens:
         x = jnp.concatenate([ref[...] for ref in refs], axis=1)  # G x [C, hb, d] -> [C, hb G, d]
         x = jnp.swapaxes(x, 0, 1).astype(F32)  # [hb G, C, d]
         x = join_groups(x, groups)  # [hb, C, G d]
-        return pltpu.roll(x, self._shift(j), 1) if self.roll else x
+        return pltpu.roll(x, self.shifts[j], 1) if self.roll else x
 
     def load(self, refs, d: int, groups: int = 1) -> jax.Array:
         """The step's chunks as float32 units ``[U, C, d]`` (unit ``= head * nc + chunk``)."""
@@ -120,15 +127,9 @@ class FlatTokens:
     def valid(self) -> jax.Array:
         """``[U, C, 1]`` bool: the rows that are their chunk's request's tokens."""
         plan = self.plan
-        shape = (plan.hb, plan.nc, plan.C, 1)
-        row, j = iota(shape, 2), iota(shape, 1)
-        lo = jnp.zeros(shape, jnp.int32)
-        hi = jnp.zeros(shape, jnp.int32)
-        for c in range(plan.nc):  # the table's scalars, broadcast to their chunk's rows
-            chunk = self.step * plan.nc + c
-            lo = jnp.where(j == c, self.table[pooled.LO, chunk], lo)
-            hi = jnp.where(j == c, self.table[pooled.HI, chunk], hi)
-        return ((row >= lo) & (row < hi)).reshape(plan.units, plan.C, 1)
+        row = iota((plan.hb, plan.C, 1), 1)  # [hb, C, 1]
+        rows = [(row >= lo) & (row < hi) for lo, hi in zip(self.lo, self.hi, strict=True)]
+        return jnp.stack(rows, axis=1).reshape(plan.units, plan.C, 1)  # [hb, nc, C, 1] -> [U]
 
     @staticmethod
     def mask(valid: jax.Array, *xs: jax.Array) -> tuple[jax.Array, ...]:

@@ -84,16 +84,16 @@ def _forward_kernel(r: ForwardRefs, *, plan: Plan, save: bool):
         return
     # Two copies of the step: one rolls the chunks' rows (a window clamped near an end of the
     # flat tokens, flat_tokens.py), the other, nearly every step, has no roll at all.
-    rolled = flat_tokens.FlatTokens(plan, r.table, step, roll=True)
-    needs = rolled.needs_roll()
+    flat = flat_tokens.FlatTokens(plan, r.table, step)
+    needs = flat.needs_roll()
 
     @pl.when(needs)
     def _():
-        _step(r, plan, save, rolled)
+        _step(r, plan, save, flat.rolled(True))
 
     @pl.when(jnp.logical_not(needs))
     def _():
-        _step(r, plan, save, flat_tokens.FlatTokens(plan, r.table, step, roll=False))
+        _step(r, plan, save, flat.rolled(False))
 
 
 def _step(r: ForwardRefs, plan: Plan, save: bool, flat: flat_tokens.FlatTokens | None):
@@ -108,9 +108,12 @@ def _step(r: ForwardRefs, plan: Plan, save: bool, flat: flat_tokens.FlatTokens |
     else:  # v, w as (T, HV, dv): G value heads per kernel head
         q, k, b, g = (flat.load(x, K) for x in (r.q, r.k, r.b, r.g))  # [U, C, K]
         v, w = (flat.load(x, V, plan.pool_groups) for x in (r.v, r.w))  # [U, C, V]
-    valid = flat.valid() if flat is not None else None  # [U, C, 1] the requests' rows
+    valid = None  # [U, C, 1]: the rows of requests (flat tokens) or of the sequence (fused)
+    if flat is not None:
+        valid = flat.valid()
+    elif plan.fused:
+        valid = act.valid_rows(plan, step)
     if plan.fused:  # raw inputs -> activated, in VMEM only
-        valid = act.valid_rows(plan, step) if valid is None else valid  # [U, C, 1]
         gp = None if r.gate_params is None else blocks.load_gate_params(r.gate_params, plan)
         x = act.activate(q, k, b, w, g, gp, plan.activations, plan.l2norm_eps, valid)
         q, k, b, w, g = x.q, x.k, x.b, x.w, x.g

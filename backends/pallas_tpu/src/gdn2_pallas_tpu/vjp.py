@@ -254,15 +254,19 @@ def _no_gradient(x):
 gdn2_pallas_trainable.defvjp(_vjp_fwd, _vjp_bwd)
 
 
+def _row_h0(plan: Plan) -> jax.Array:
+    """The zero h0 of a chunk-aligned row (its sequences' states enter by DMA)."""
+    return jnp.zeros((1, plan.heads, plan.dk, plan.dv), jnp.float32)
+
+
 def _padded_inputs(x, lay, plan: Plan):
     """``(q, k, v, w, b, g)`` moved into the chunk-aligned row of ``lay`` (varlen.py or
-    pooled.py), and the zero h0 of the row. A padding or filler token must leave the state
+    pooled.py). A padding or filler token must leave the state
     unchanged: g = 0, or with a fused gate the raw value whose activation is 0 (softplus(-inf) =
     sigmoid(-inf) = 0)."""
     *rest, g = x
     g_fill = -jnp.inf if plan.gate else 0.0
-    xs = [varlen.to_padded(a, lay) for a in rest] + [varlen.to_padded(g, lay, fill=g_fill)]
-    return xs, jnp.zeros((1, plan.heads, plan.dk, plan.dv), jnp.float32)
+    return [varlen.to_padded(a, lay) for a in rest] + [varlen.to_padded(g, lay, fill=g_fill)]
 
 
 def gdn2_pallas_varlen(q, k, v, w, b, g, seq_h0, cu_seqlens, plan: Plan, trainable: bool,
@@ -272,7 +276,7 @@ def gdn2_pallas_varlen(q, k, v, w, b, g, seq_h0, cu_seqlens, plan: Plan, trainab
     ``n_seqs = N``); ``continues`` ``(N,)`` bool or None (forward only: those sequences start
     from the carried state). Returns ``(o, seq_h_final)``."""
     lay = varlen.layout(cu_seqlens, q.shape[1], plan.C, plan.t_pad, continues)
-    xs, h0 = _padded_inputs((q, k, v, w, b, g), lay, plan)
+    xs, h0 = _padded_inputs((q, k, v, w, b, g), lay, plan), _row_h0(plan)
     ex = Extras(A_log=A_log, dt_bias=dt_bias, table=lay.table, seq_h0=seq_h0.astype(jnp.float32))
     if trainable:
         o, _, seq_h_final = gdn2_pallas_trainable(*xs, h0, ex, plan)
@@ -287,21 +291,17 @@ def gdn2_pallas_pooled(q, k, v, w, b, g, pool, cu_seqlens, requests, plan: Plan,
     pool ``(P, HV, K, dv)`` float32 or bfloat16, ``requests`` a ``PoolRequests``; ``plan`` is the
     plan of the chunk-aligned row (``pool_groups = HV / H``). Returns ``(o, pool)``, the pool in
     place."""
-    lay = pooled.layout(cu_seqlens, requests, q.shape[1], plan.C, plan.t_pad)
+    t = q.shape[1]
+    lay = pooled.layout(cu_seqlens, requests, t, plan.C, plan.t_pad)
     slots, hv, dk, dv = pool.shape
     view = pool.reshape(slots, plan.heads, plan.pool_groups * dk, dv)  # [P, H, G K, dv]
     ex = Extras(A_log=A_log, dt_bias=dt_bias, table=lay.table, seq_h0=view)
-    if not plan.flat_tokens:
-        xs, h0 = _padded_inputs((q, k, v, w, b, g), lay, plan)
-        o, _, new = gdn2_pallas_forward(*xs, h0, plan, ex)
-        return pooled.from_padded(o, lay), new.reshape(pool.shape)
-    # The kernel reads the flat tokens (flat_tokens.py), v and w as the caller laid them out
-    # (T, HV, dv): the core's (T, H, G dv) view of them and this one cancel, no relayout.
-    t = q.shape[1]
-    v, w = v.reshape(1, t, hv, dv), w.reshape(1, t, hv, dv)
-    xs = [pooled.flat_row(x, plan.C) for x in (q, k, v, w, b, g)]
-    h0 = jnp.zeros((1, plan.heads, plan.dk, plan.dv), jnp.float32)
-    gate = _gate_params(A_log, dt_bias, plan)
-    call = functools.partial(forward_call, plan=plan, save=False)
-    o, _, new = _on_tpu_only(_fold_vmap(call, plan), plan, *xs, None, gate, lay.table, view, h0)
+    if plan.flat_tokens:
+        # The kernel reads the flat tokens (flat_tokens.py), v and w as the caller laid them out
+        # (T, HV, dv): the core's (T, H, G dv) view of them and this one cancel, no relayout.
+        v, w = v.reshape(1, t, hv, dv), w.reshape(1, t, hv, dv)
+        xs = [pooled.flat_row(x, plan.C) for x in (q, k, v, w, b, g)]
+    else:
+        xs = _padded_inputs((q, k, v, w, b, g), lay, plan)
+    o, _, new = gdn2_pallas_forward(*xs, _row_h0(plan), plan, ex)
     return pooled.from_padded(o, lay), new.reshape(pool.shape)
