@@ -86,8 +86,8 @@ def test_pooled_forward_reads_the_flat_tokens(fused):
             *x, pool, num_decodes=1, backend="pallas_tpu", config=config, **FLAT, **feats
         )
 
-    # one gather of a token row: the output's, out of the padded row (none of the inputs)
-    assert _row_gathers(FLAT_T, step, pool, *x) == 1
+    # no gather of a token row: the kernel reads the inputs and writes o at the flat tokens
+    assert _row_gathers(FLAT_T, step, pool, *x) == 0
     o_ref, new_ref = gdn2_ragged_reference(*x, pool, **FLAT, **feats)
     o, new = step(pool, *x)
     assert rel_err(o[:FLAT_PADDING], o_ref[:FLAT_PADDING]) < TOL
@@ -111,4 +111,33 @@ def test_pooled_forward_on_fewer_tokens_than_a_chunk():
     o_ref, new_ref = gdn2_ragged_reference(*x, pool, **kw)
     o, new = gdn2_ragged(*x, pool, backend="pallas_tpu", config=INTERPRET, **kw)
     assert rel_err(o, o_ref) < TOL
+    assert rel_err(new, new_ref) < TOL
+
+
+def test_pooled_forward_writes_o_at_the_flat_tokens():
+    """o leaves the kernel at the flat tokens, each chunk writing only its request's rows: 18
+    one-token decodes first (their rows: two chunks of zeros before the packed requests, then the
+    decodes' outputs), a padded request whose NaN tokens must give zeros, and 40 rows of NaN
+    padding after the last request (three chunks of zeros, the last one partial). No gather of a
+    token row in the program: neither the inputs nor the output."""
+    t, pad_from = 90, 50
+    cu = [*range(19), 24, 31, 50]  # 18 decodes, a request of 5, a padded one of 7, one of 19
+    kw = dict(
+        cu_seqlens=cu,
+        state_indices=[*range(18, 0, -1), 0, -1, 19],  # 18 ... 1 for the decodes; -1: padded
+        has_initial_state=[True] * 18 + [True, False, False],
+    )
+    x, pool = ragged_tokens(t, 7, H, HV, DK, DV, 20, pad_from)
+    x = tuple(a.at[24:31].set(jnp.nan) for a in x)  # the padded request's tokens
+
+    def step(pool, *x):
+        return gdn2_ragged(*x, pool, num_decodes=18, backend="pallas_tpu", config=INTERPRET, **kw)
+
+    assert _row_gathers(t, step, pool, *x) == 0
+    o_ref, new_ref = gdn2_ragged_reference(*x, pool, **kw)
+    o, new = step(pool, *x)
+    live = np.r_[0:24, 31:50]
+    assert rel_err(o[live], o_ref[live]) < TOL
+    np.testing.assert_array_equal(np.asarray(o[24:31]), 0.0)  # the padded request: zero, not NaN
+    np.testing.assert_array_equal(np.asarray(o[pad_from:]), 0.0)  # the padding
     assert rel_err(new, new_ref) < TOL

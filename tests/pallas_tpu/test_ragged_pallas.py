@@ -201,8 +201,8 @@ def test_ragged_call_compiles_to_mosaic_for_v5e_with_the_pool_in_place(
     pool_dtype, heads, value_heads
 ):
     """H = 1 (head-major: XLA moves the inputs into the padded row) and H = 16, HV = 32
-    (token-major: the pooled kernel reads the flat tokens, flat_tokens.py, and the only token-row
-    gather left is the output's)."""
+    (token-major: the pooled kernel reads the flat tokens and writes o at them, flat_tokens.py:
+    no token row is gathered, none relaid out)."""
     mesh = topology_mesh("v5e:1x1")
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     t, n = 64, 5
@@ -230,9 +230,12 @@ def test_ragged_call_compiles_to_mosaic_for_v5e_with_the_pool_in_place(
     short = "f32" if pool_dtype == jnp.float32 else "bf16"
     pool_shape = f"{short}[{P},{value_heads},128,128]"  # no copy: the kernels write in place
     assert not re.search(re.escape(pool_shape) + r"\{[^}]*\} copy\(", text)
-    if heads % 8 == 0:  # the flat tokens: o's gather [T, H, G dv] is the only token-row one
+    if heads % 8 == 0:  # the flat tokens, in and out: no gather of a token row, no relayout
         rows = re.findall(r"= bf16\[(\d+),\d+,\d+\]\{[^}]*\} gather\(", text)
-        assert [int(r) for r in rows if int(r) >= t] == [t], rows
+        assert [int(r) for r in rows if int(r) >= t] == [], rows
+        # o never in the kernel heads' layout (T, H, G dv), whose move to (T, HV, dv) is a copy
+        grouped = rf"bf16\[(1,)?{t},{heads},{128 * value_heads // heads}\]"
+        assert not re.search(grouped, text), "o in the (T, H, G dv) layout"
 
 
 def test_ragged_call_under_a_head_mesh_compiles_to_mosaic_for_v5e_2x2():

@@ -65,18 +65,31 @@ def test_scenarios_and_their_metadata():
     assert plain.checkpoint_slots is None and plain.pool_size == 66
 
 
-def test_state_dmas_are_priced_in_the_pool_dtype():
-    """The ragged call moves slots in the pool's dtype (half the bytes in bfloat16); the separate
-    call's per-sequence states are float32 whatever the pool."""
+def test_state_dmas_are_priced_as_the_kernel_moves_them():
+    """The packed forward's slot writes are staged (float32 through the vector registers) and
+    run behind the chunks: in a compute-bound kernel they cost the staging and the last write;
+    where the kernels' time is below the step's HBM bound they cost the difference. Slots move in
+    the pool's dtype; the separate calls move none by DMA."""
     s = Scenario.parse("64x1+2x2048")
     step = Step.build(s, 64, seed=0)
     f32, bf16 = (Heads(16, 32, 128, 128, "float32", dt) for dt in ("float32", "bfloat16"))
-    ragged = [state_dma_us("ragged", s, step, h, "v5e") for h in (f32, bf16)]
-    assert ragged[1] == pytest.approx(ragged[0] / 2)
-    # 2 prompts written, 65 checkpoints: 67 float32 states of 2 MiB at v5e's 819 GB/s
-    assert ragged[0] == pytest.approx(67 * 2**21 / 819e9 * 1e6)
-    separate = [state_dma_us("separate", s, step, h, "v5e") for h in (f32, bf16)]
-    assert separate[0] == separate[1]
+    slot = 32 * 128 * 128  # elements of one slot
+    # 2 prompts written and their 64 checkpoints (the decode's checkpoint is XLA's); none read
+    staging = 66 * slot * 4 / 4096 / 1.5e9 * 1e6
+    busy = 1e6  # us: a kernel far slower than the step's HBM bound
+    got = [state_dma_us("ragged", s, step, h, "v5e", busy) for h in (f32, bf16)]
+    assert got[0] == pytest.approx(staging + slot * 4 / 819e9 * 1e6)
+    assert got[1] == pytest.approx(staging + slot * 2 / 819e9 * 1e6)
+    bound = hbm_bound_us(s, step, f32, "v5e")
+    fast = state_dma_us("ragged", s, step, f32, "v5e", 0.0)  # an HBM-bound kernel
+    assert fast == pytest.approx(got[0] + bound)
+    assert state_dma_us("separate", s, step, f32, "v5e", busy) == 0.0
+    decodes = Scenario.parse("8x1")  # no packed forward: nothing written by it, nothing added
+    assert state_dma_us("ragged", decodes, Step.build(decodes, 64, seed=0), f32, "v5e", 0.0) == 0
+    resumed = Step.build(s, 64, seed=0)
+    resumed.has_initial_state[64:] = True  # the prompts resume: their slots read, synchronously
+    read = state_dma_us("ragged", s, resumed, f32, "v5e", busy) - got[0]
+    assert read == pytest.approx(2 * slot * 4 / 819e9 * 1e6)
 
 
 def test_serve_bench_gates_and_times_against_the_separate_calls(tmp_path):

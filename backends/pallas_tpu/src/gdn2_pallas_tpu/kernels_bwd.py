@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gdn2_pallas_tpu import activations as act
-from gdn2_pallas_tpu import blocks, refs, varlen
+from gdn2_pallas_tpu import blocks, refs, state_writes, varlen
 from gdn2_pallas_tpu import chunk_math as cm
 from gdn2_pallas_tpu.cost import cost_backward
 from gdn2_pallas_tpu.matmul import MatmulPrecision, mm, mm_nt, mm_tn
@@ -62,7 +62,9 @@ class BackwardRefs:
     dS: object  # [hb, K, V] f32 gradient of the state leaving the step
     seq_buf: object | None  # [hb, K, V] f32 staging of per-sequence states (plan.varlen)
     seq_tmp: object | None  # [hb, K, V] f32 a state that a DMA may replace (plan.varlen)
-    seq_sem: object | None  # its DMA semaphore
+    seq_sem: object | None  # its DMA semaphore (the reads)
+    writes: tuple | None  # (buffers [2, hb, K, V] f32, DMA semaphores [2], SMEM counters [2]) of
+    #   the dh0 writes (plan.varlen, state_writes.py)
     stages: tuple | None  # 6 x [hb, nc C, d] gradient staging for the DMAs (HEAD_MAJOR)
     sems: object | None  # DMA semaphores (6, hb) (HEAD_MAJOR)
 
@@ -101,7 +103,9 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
 
     seqs = None
     if plan.varlen:  # per-sequence states at chunk boundaries (varlen.py)
-        seqs = varlen.SequenceStates(plan, r.table, None, r.seq_buf, r.seq_sem, head_group, step)
+        writes = state_writes.StateWrites(*r.writes, r.seq_dh0.at[0, pl.ds(0, plan.hb)])
+        seqs = varlen.SequenceStates(plan, r.table, None, r.seq_buf, r.seq_sem, writes,
+                                     head_group, step)  # fmt: skip
 
     def replaced(value, j, hbm, when):
         """``value``, or the per-sequence state in ``hbm`` of chunk j when ``when``."""
@@ -194,6 +198,8 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
     for m, (x, out, stage) in enumerate(zip(grads, r.grads, stages, strict=True)):
         sems = None if r.sems is None else r.sems.at[jnp.int32(m)]
         copies += io.store(x, out, stage, sems, batch, head_group, step)
+    if seqs is not None:  # the last step waits for the dh0 writes still in flight
+        seqs.writes.close()
     for copy in copies:
         copy.wait()
 
@@ -252,6 +258,7 @@ def backward_call(
         refs.Scratch("seq_buf", on(plan.varlen, pltpu.VMEM((hb, K, V), F32))),
         refs.Scratch("seq_tmp", on(plan.varlen, pltpu.VMEM((hb, K, V), F32))),
         refs.Scratch("seq_sem", on(plan.varlen, pltpu.SemaphoreType.DMA(()))),
+        refs.Scratch("writes", on(plan.varlen, state_writes.scratch_shapes((hb, K, V), F32))),
         refs.Scratch(  # gradient staging
             "stages", [io.out_stage(d, q.dtype) for d in dims] if io.head_major else None
         ),

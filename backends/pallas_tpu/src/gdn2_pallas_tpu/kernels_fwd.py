@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gdn2_pallas_tpu import activations as act
-from gdn2_pallas_tpu import blocks, flat_tokens, pooled, refs, varlen
+from gdn2_pallas_tpu import blocks, flat_tokens, pooled, refs, state_writes, varlen
 from gdn2_pallas_tpu import chunk_math as cm
 from gdn2_pallas_tpu.cost import cost_forward
 from gdn2_pallas_tpu.matmul import mm, mm_tn
@@ -55,8 +55,13 @@ class ForwardRefs:
     S: object  # [hb, K, V] f32 the carried state
     seq_buf: object | None  # [hb, K, V] f32 staging of per-sequence states (plan.varlen), or of
     #   slots [hb, G K, V / G] in the pool's dtype (plan.pooled)
-    seq_sem: object | None  # its DMA semaphore
+    seq_sem: object | None  # its DMA semaphore (the reads)
+    writes: tuple | None  # (buffers [2, *seq_buf], DMA semaphores [2], SMEM counters [2]) of the
+    #   state writes (plan.varlen, state_writes.py)
     o_stage: object | None  # [hb, nc C, V] output staging for the DMAs (HEAD_MAJOR)
+    o_flat: object | None  # [G, nc C, hb, V / G] o staged for its DMAs to the flat tokens
+    #   (plan.flat_tokens, flat_tokens.FlatOutput)
+    o_flat_sem: object | None  # their DMA semaphore
     o_sems: object | None  # DMA semaphores (1, hb) (HEAD_MAJOR)
 
 
@@ -130,12 +135,16 @@ def _step(r: ForwardRefs, plan: Plan, save: bool, flat: flat_tokens.FlatTokens |
     YU = mm(T, jnp.concatenate([L.E_bar, L.Z], axis=2), p.wy)  # [U, C, K + V] F6
     Y, U = YU[:, :, :K], YU[:, :, K:]
 
-    seqs = slots = None
+    seqs = slots = writes = None
+    if plan.varlen:  # states written to HBM without waiting (state_writes.py)
+        like = r.seq_h_final.at[0, pl.ds(0, plan.hb)]  # the staged shape, in HBM
+        writes = state_writes.StateWrites(*r.writes, like)
     if plan.pooled:  # the requests' states are slots of the pool
         slots = pooled.PoolStates(plan, r.table, r.seq_h0, r.seq_h_final, r.seq_buf, r.seq_sem,
-                                  head_group, step)  # fmt: skip
+                                  writes, head_group, step)  # fmt: skip
     elif plan.varlen:
-        seqs = varlen.SequenceStates(plan, r.table, None, r.seq_buf, r.seq_sem, head_group, step)
+        seqs = varlen.SequenceStates(plan, r.table, None, r.seq_buf, r.seq_sem, writes,
+                                     head_group, step)  # fmt: skip
     outs = []
     for j in range(plan.nc):  # the state pass, all heads of the step at once
         if slots is not None:  # a request's first chunk starts from its slot, zeros or NaN
@@ -161,13 +170,20 @@ def _step(r: ForwardRefs, plan: Plan, save: bool, flat: flat_tokens.FlatTokens |
             seqs.hbm = r.seq_h_final
             seqs.write(j, seqs.is_last(j), S_next)
     o = blocks.stack_chunks(outs, plan)  # [U, C, V]
-    sems = None if r.o_sems is None else r.o_sems.at[jnp.int32(0)]
-    copies = io.store(o, r.o, r.o_stage, sems, batch, head_group, step)
+    copies = []
+    if flat is not None:  # each chunk's own rows, at the flat tokens
+        out = flat_tokens.FlatOutput(plan, r.table, r.o, r.o_flat, r.o_flat_sem, head_group, step)
+        out.store(o)
+    else:
+        sems = None if r.o_sems is None else r.o_sems.at[jnp.int32(0)]
+        copies = io.store(o, r.o, r.o_stage, sems, batch, head_group, step)
 
     @pl.when(step == pl.num_programs(2) - 1)
     def _():
         r.h_final[...] = r.S[...]
 
+    if writes is not None:  # the last step waits for the writes still in flight
+        writes.close()
     for copy in copies:
         copy.wait()
 
@@ -184,10 +200,11 @@ def forward_call(
     step_of = blocks.forward_step
     io = blocks.TokenIO(plan, step_of)
     G = plan.pool_groups
-    o_shape = v.shape
+    o_spec, flat_stage = io.out_spec(V), None
     if plan.flat_tokens:  # nc element windows of the flat tokens per step; v, w (T, HV, dv)
         keys, vals = flat_tokens.in_specs(plan, K), flat_tokens.in_specs(plan, V, G)
-        o_shape = (B, plan.t_pad, H, V)  # o in the row (token-major), gathered back by XLA
+        o_spec = blocks.hbm_any()  # o at the flat tokens, (1, T, HV, dv), by manual DMAs
+        flat_stage = pltpu.VMEM((G, plan.step_len, hb, V // G), v.dtype)  # FlatOutput's staging
     else:
         keys, vals = io.in_specs(K), io.in_specs(V)
     state = blocks.state_spec(plan)
@@ -210,7 +227,7 @@ def forward_call(
         refs.Input("seq_h0", blocks.hbm_any(), on(plan.varlen, seq_h0)),
         refs.Input("h0", state, h0),
         # o, in v's kernel layout
-        refs.Output("o", io.out_spec(V), jax.ShapeDtypeStruct(o_shape, v.dtype)),
+        refs.Output("o", o_spec, jax.ShapeDtypeStruct(v.shape, v.dtype)),
         refs.Output("h_final", state, jax.ShapeDtypeStruct((B, H, K, V), F32)),
         refs.Output(  # per-sequence final states, written by DMAs
             "seq_h_final",
@@ -227,8 +244,11 @@ def forward_call(
         # a state's DMA staging: [hb, K, V] f32, or a slot [hb, G K, V / G] in the pool's dtype
         refs.Scratch("seq_buf", on(plan.varlen, pltpu.VMEM(stage, slot_dtype))),
         refs.Scratch("seq_sem", on(plan.varlen, pltpu.SemaphoreType.DMA(()))),
+        refs.Scratch("writes", on(plan.varlen, state_writes.scratch_shapes(stage, slot_dtype))),
         refs.Scratch("o_stage", io.out_stage(V, v.dtype)),  # o staging
         refs.Scratch("o_sems", io.out_sems(1)),
+        refs.Scratch("o_flat", flat_stage),
+        refs.Scratch("o_flat_sem", on(plan.flat_tokens, pltpu.SemaphoreType.DMA(()))),
         aliases={"seq_h0": "seq_h_final"} if plan.pooled else None,  # the pool, in place
     )
     return pl.pallas_call(

@@ -42,6 +42,7 @@ from typing import Final
 import jax
 import jax.numpy as jnp
 
+from gdn2_pallas_tpu import state_writes
 from gdn2_pallas_tpu.config import InterpretMode, PallasTpuConfig
 from gdn2_pallas_tpu.matmul import MatmulPrecision
 from gdn2core.plugin import L2NORM_EPS, KernelConfig, OpSpec, SegmentMode
@@ -284,8 +285,10 @@ def vmem_bytes(plan: Plan, backward: bool) -> dict[str, int]:
     if plan.gate:  # (hb, 2, K) float32 gate parameters (and their gradient), rows padded to 8
         blocks += (4 if backward else 2) * hb * NUM_SUBLANES * K * F32_BYTES
     scratch = hb * K * V * F32_BYTES  # the carried state (or dS)
-    if plan.varlen:  # the per-sequence states' DMA staging (the backward: and a spare state)
+    if plan.varlen:  # the per-sequence states' read staging (the backward: and a spare state),
+        # and the writes' staging buffers (state_writes.py; f32 counted for a pool of any dtype)
         scratch += (2 if backward else 1) * hb * K * V * F32_BYTES
+        scratch += state_writes.vmem_bytes((hb, K, V), F32_BYTES)
     lcn = math.log2(C)
     if backward:  # ~30 [C, K] + ~10 [C, V] + ~12 [C, C] live per unit, 2 states per unit
         live = F32_BYTES * U * (30 * C * K + 10 * C * V + 12 * C * C + 2 * K * V)
@@ -407,9 +410,10 @@ def pooled_plan(spec: OpSpec, config: KernelConfig, vmem_capacity: int, activati
     from gdn2_pallas_tpu import varlen
 
     plan = make_plan(spec, config, vmem_capacity, activations=activations, n_seqs=spec.n_seqs)
-    wasted = spec.n_seqs * (2 if stores else 1)  # chunks the requests may waste (pooled.py)
-    t_pad = varlen.padded_length(spec.seq_len, wasted, plan.C, plan.step_len)
     flat = plan.layout is Layout.TOKEN_MAJOR
+    wasted = spec.n_seqs * (2 if stores else 1)  # chunks the requests may waste (pooled.py)
+    wasted += 2 if flat else 0  # and the zero chunks' (flat_tokens.py, section Output)
+    t_pad = varlen.padded_length(spec.seq_len, wasted, plan.C, plan.step_len)
     return dataclasses.replace(
         plan, batch=1, seq_len=t_pad, n_seqs=spec.n_seqs, pool_groups=pool_groups,
         pool_checkpoints=stores, token_rows=max(spec.seq_len, plan.C) if flat else 0,

@@ -146,11 +146,13 @@ class SequenceStates:
     """In a kernel: the per-sequence states of the chunks of one grid step (module docstring).
 
     ``table`` is the SMEM chunk table; ``hbm`` a ``(N, H, K, V)`` float32 array in HBM; ``buf`` a
-    ``[hb, K, V]`` float32 VMEM buffer for the DMAs; ``sem`` one DMA semaphore."""
+    ``[hb, K, V]`` float32 VMEM buffer and ``sem`` one DMA semaphore, for the reads; ``writes``
+    the :class:`state_writes.StateWrites` of the writes (staged ``[hb, K, V]`` f32, not
+    waited)."""
 
-    def __init__(self, plan, table, hbm, buf, sem, head_group, step):
+    def __init__(self, plan, table, hbm, buf, sem, writes, head_group, step):
         self.plan, self.table, self.hbm, self.buf, self.sem = plan, table, hbm, buf, sem
-        self.head_group, self.step = head_group, step
+        self.writes, self.head_group, self.step = writes, head_group, step
 
     def _chunk(self, j: int):
         return self.step * self.plan.nc + j
@@ -176,11 +178,13 @@ class SequenceStates:
             into[...] = self.buf[...]
 
     def write(self, j: int, when, value) -> None:
-        """``hbm[sequence of chunk j] = value`` (the step's heads) when ``when``."""
+        """``hbm[sequence of chunk j] = value`` (the step's heads) when ``when``: staged, its DMA
+        waited chunks later (state_writes.py)."""
+
+        def fill(buf):  # [hb, K, V] f32
+            buf[...] = value
 
         @pl.when(when)
         def _():
-            self.buf[...] = value
-            copy = pltpu.make_async_copy(self.buf, self._slot(j), self.sem)
-            copy.start()
-            copy.wait()
+            self.writes.stage(j, fill)
+            self.writes.start(j, self._slot(j))

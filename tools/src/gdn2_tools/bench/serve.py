@@ -399,27 +399,53 @@ def hbm_bound_us(scenario: Scenario, step: Step, heads: Heads, tpu: str) -> floa
     import jax.numpy as jnp
 
     slot = heads.HV * heads.dk * heads.dv * jnp.dtype(heads.pool_dtype).itemsize
-    slots = int(step.has_initial_state.sum()) + len(scenario.lens) + step.stored
+    n_slots = int(step.has_initial_state.sum()) + len(scenario.lens) + step.stored
     per_token = (4 * heads.H * heads.dk + 3 * heads.HV * heads.dv) * jnp.dtype(heads.dtype).itemsize
-    return (slots * slot + scenario.tokens * per_token) / HBM_BYTES_PER_S[tpu] * 1e6
+    return (n_slots * slot + scenario.tokens * per_token) / HBM_BYTES_PER_S[tpu] * 1e6
 
 
-def state_dma_us(kind: str, scenario: Scenario, step: Step, heads: Heads, tpu: str) -> float:
-    """The packed forward's per-request state DMAs at the HBM rate: each prompt's start read
-    (when it has one), its final state written and, in the ragged call, every checkpoint stored;
-    in the pool's dtype for the ragged call (the pooled forward moves slots as they are stored),
-    float32 for the separate call's per-sequence states. The static profile simulates the forward
-    kernels with a chunk table of zeros, which moves no state (varlen.py, pooled.py), so these
-    DMAs are priced by their bytes and added to the kernels."""
+#: Bytes of one vector register (8 x 128 x 4): staging a state into its DMA buffer loads and
+#: stores it one register at a time, one per cycle (:func:`state_dma_us`).
+VREG_BYTES: Final = 4096
+
+
+def state_dma_us(
+    kind: str, scenario: Scenario, step: Step, heads: Heads, tpu: str, kernel_us: float
+) -> float:
+    """The packed forward's per-request state DMAs, which the static profile does not see: it
+    simulates the kernels with a chunk table of zeros, which moves no state (pooled.py), so they
+    are priced here and added to the kernels' ``kernel_us``:
+
+    - reads (a prompt's start slot): synchronous, the chunk waits for it: its bytes at the HBM rate;
+    - writes (final states, checkpoints): asynchronous (state_writes.py), each staged first (the
+      float32 state through the vector registers, one ``VREG_BYTES`` register per cycle), its
+      DMA then running behind the next chunks: it costs HBM time only where the step's HBM
+      bound (:func:`hbm_bound_us`: every slot and token once) exceeds ``kernel_us``, plus the
+      last write of each head group, which the kernel's end waits for (one state of all heads).
+
+    Slots move in the pool's dtype. Checked against the profile of the kernel forced to write
+    every chunk (docs/serving.md). The separate calls move no state by DMA (their final states
+    are the forward's outputs and an XLA scatter, both in the profile): 0."""
     import jax.numpy as jnp
 
-    itemsize = 4 if kind == "separate" else jnp.dtype(heads.pool_dtype).itemsize
-    state = heads.HV * heads.dk * heads.dv * itemsize
+    from gdn2_tools.static_profile import CLOCK_HZ
+
+    if kind == "separate":
+        return 0.0
+    bw = HBM_BYTES_PER_S[tpu] / 1e6  # bytes per us
+    state = heads.HV * heads.dk * heads.dv
+    slot = state * jnp.dtype(heads.pool_dtype).itemsize
     first = 0 if kind == "packed" else scenario.n_decodes  # the packed forward's requests
     reads = int(step.has_initial_state[first:].sum())
-    writes = len(scenario.lens) - first
-    stored = step.stored if kind != "separate" else 0
-    return (reads + writes + stored) * state / HBM_BYTES_PER_S[tpu] * 1e6
+    stored = 0 if step.checkpoint_slots is None else int((step.checkpoint_slots[first:] >= 0).sum())
+    writes = len(scenario.lens) - first + stored  # the decodes' checkpoints: XLA's, profiled
+    # The step's HBM bound (every slot and token once) beyond the kernels' profiled time, and
+    # each head group's last write
+    behind = 0.0
+    if writes:
+        behind = max(0.0, hbm_bound_us(scenario, step, heads, tpu) - kernel_us) + slot / bw
+    staging = writes * state * 4 / VREG_BYTES / CLOCK_HZ[tpu] * 1e6
+    return reads * slot / bw + staging + behind
 
 
 def _compile_main(argv: Sequence[str]) -> int:
@@ -673,7 +699,7 @@ def static_row(
     if e.error:
         return {**row, "error": e.error}
     us = lambda cycles: e.ms(cycles) * 1e3  # noqa: E731
-    row["state_dma_us"] = state_dma_us(kind, scenario, step, heads, tpu)
+    row["state_dma_us"] = state_dma_us(kind, scenario, step, heads, tpu, us(e.kernel_cycles))
     row["kernel_us"] = us(e.kernel_cycles) + row["state_dma_us"]
     row["xla_ops_us"] = us(sum(op.total for op in e.ops if not op.kernel))
     row["total_us"] = row["kernel_us"] + row["xla_ops_us"]
@@ -795,9 +821,12 @@ def markdown(results: dict[str, Any]) -> str:
     if results["static"]:
         lines += [
             f"\n## TPU: {LABEL}\n",
-            "us per step. Kernels: the Pallas kernels, with the packed forward's state DMAs priced "
-            "by their bytes (the profile simulates them with a chunk table that moves no state); "
-            "whole: kernels plus the XLA ops around them (gathers, layout, scatters). HBM bound: the slots read and written once plus the "
+            "us per step. Kernels: the Pallas kernels, plus the packed forward's state DMAs, which "
+            "the profile does not see (it simulates a chunk table that moves no state): reads at "
+            "their bytes' HBM time, writes (overlapped with the next chunks) at their staging "
+            "cost, the HBM bound's excess over the kernels and one state waited at the end "
+            "(`state_dma_us`); whole: kernels plus the XLA ops around them (gathers, layout, "
+            "scatters). HBM bound: the slots read and written once plus the "
             "tokens' bytes at the chip's HBM bandwidth (the bound of a decode step; prompts are "
             "bound by their FLOPs as well, which it leaves out). Separate calls: as above, "
             "estimated the same way. The v6e profile leaves HBM time out: its figures are lower "
