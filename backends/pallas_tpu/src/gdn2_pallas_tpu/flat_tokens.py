@@ -171,16 +171,15 @@ class FlatOutput:
     def _rows(self, chunk):
         """``(want, lo, hi)``: chunk ``chunk`` writes its rows ``[lo, hi)`` to the flat tokens
         ``want + lo ...``, kept inside the output whatever the table says."""
-        C, table = self.plan.C, self.table
-        want = chunk * C + table[pooled.REL, chunk]
-        code = table[pooled.WROWS, chunk]
+        plan = self.plan
+        _, want = window(self.table, chunk, plan)
+        code = self.table[pooled.WROWS, chunk]
         lo = jnp.maximum(code & pooled.ROW_MASK, -want)
-        hi = jnp.minimum(C - (code >> pooled.ROW_BITS), self.plan.token_rows - want)
+        hi = jnp.minimum(plan.C - (code >> pooled.ROW_BITS), plan.token_rows - want)
         return want, lo, hi
 
-    def _piece(self, j: int, m: int, size: int, at, want, step, start: bool) -> None:
-        """Rows ``[at, at + size)`` of chunk ``j`` of step ``step``, value-head window ``m``:
-        start or wait."""
+    def _piece(self, j: int, m: int, size: int, at, want, start: bool) -> None:
+        """Rows ``[at, at + size)`` of chunk ``j``, value-head window ``m``: start or wait."""
         plan = self.plan
         heads = pl.ds((self.head_group * plan.pool_groups + m) * plan.hb, plan.hb)
         src = self.stage.at[m, pl.ds(j * plan.C + at, size)]  # [size, hb, dv]
@@ -191,39 +190,40 @@ class FlatOutput:
         else:
             copy.wait()
 
-    def _bits(self, j: int, m: int, n, lo, want, step, start: bool) -> None:
+    def _bits(self, j: int, m: int, n, lo, want, start: bool) -> None:
         """``n < C`` rows from ``lo``: one DMA per set bit of ``n``."""
         at, size = lo, self.plan.C // 2
         while size:
-            self._when_bit(j, m, n, size, at, want, step, start)
+            self._when_bit(j, m, n, size, at, want, start)
             at = at + (n & size)
             size //= 2
 
-    def _when_bit(self, j, m, n, size, at, want, step, start) -> None:
+    def _when_bit(self, j, m, n, size, at, want, start) -> None:
         @pl.when((n & size) != 0)
         def _():
-            self._piece(j, m, size, at, want, step, start)
+            self._piece(j, m, size, at, want, start)
 
     def _chunk(self, j: int, step, start: bool) -> None:
         """Start (or wait for) the DMAs of chunk ``j`` of grid step ``step``."""
         want, lo, hi = self._rows(step * self.plan.nc + j)
         for m in range(self.plan.pool_groups):
-            self._window(j, m, want, lo, hi - lo, step, start)
+            self._window(j, m, want, lo, hi - lo, start)
 
-    def _window(self, j: int, m: int, want, lo, n, step, start: bool) -> None:
+    def _window(self, j: int, m: int, want, lo, n, start: bool) -> None:
         """Value-head window ``m`` of chunk ``j``: its ``n`` rows from ``lo``, one DMA when they
         are the whole chunk (every chunk inside a request), one per set bit of ``n`` else."""
         C = self.plan.C
 
         @pl.when(n == C)
         def _():
-            self._piece(j, m, C, jnp.int32(0), want, step, start)
+            self._piece(j, m, C, jnp.int32(0), want, start)
 
         @pl.when((n > 0) & (n < C))
         def _():
-            self._bits(j, m, n, lo, want, step, start)
+            self._bits(j, m, n, lo, want, start)
 
     def _all(self, step, start: bool) -> None:
+        """Start (or wait for) the DMAs of every chunk of grid step ``step``."""
         for j in range(self.plan.nc):
             self._chunk(j, step, start)
 

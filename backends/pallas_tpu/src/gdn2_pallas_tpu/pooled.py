@@ -56,6 +56,8 @@ of the input ref and the writes of the aliased output ref never meet.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from typing import Final
 
 import jax
@@ -181,7 +183,7 @@ class PoolStates:
         return pool.at[slot, pl.ds(self.head_group * self.plan.hb, self.plan.hb)]
 
     def _groups(self):
-        """``(i, value columns of the carried state, rows of the slot)`` of each value head of a
+        """``(value columns of the carried state, rows of the slot)`` of each value head of a
         kernel head's group."""
         G, K = self.plan.pool_groups, self.plan.dk
         dv = self.plan.dv // G
@@ -211,9 +213,7 @@ class PoolStates:
         entries = [self._row(OUT, j)]
         if self.plan.pool_checkpoints:  # compiled out without: a DMA in a branch still costs
             entries.append(self._row(CKPT, j))
-        staged = entries[0] > 0
-        for entry in entries[1:]:
-            staged = staged | (entry > 0)
+        staged = functools.reduce(operator.or_, [entry > 0 for entry in entries])
 
         def fill(buf):  # [hb, G K, dv] in the pool's dtype
             for cols, rows in self._groups():

@@ -22,6 +22,7 @@ their own buffer, so a read never waits on a write.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Final
 
@@ -48,10 +49,7 @@ def scratch_shapes(shape: tuple[int, ...], dtype) -> tuple:
 
 def vmem_bytes(shape: tuple[int, ...], itemsize: int) -> int:
     """VMEM bytes of the staging buffers of ``shape`` (the counters are SMEM)."""
-    n = DEPTH * itemsize
-    for s in shape:
-        n *= s
-    return n
+    return DEPTH * itemsize * math.prod(shape)
 
 
 class StateWrites:

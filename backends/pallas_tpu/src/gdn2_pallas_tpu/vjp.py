@@ -301,8 +301,9 @@ def gdn2_pallas_pooled(q, k, v, w, b, g, pool, cu_seqlens, requests, plan: Plan,
         # (T, HV, dv): the core's (T, H, G dv) view of them and this one cancel, no relayout.
         v, w = v.reshape(1, t, hv, dv), w.reshape(1, t, hv, dv)
         xs = [pooled.flat_row(x, plan.C) for x in (q, k, v, w, b, g)]
-        o, _, new = gdn2_pallas_forward(*xs, _row_h0(plan), plan, ex)  # o (1, T, HV, dv)
-        return o[:, :t].reshape((*q.shape[:3], -1)), new.reshape(pool.shape)  # the core's view
-    xs = _padded_inputs((q, k, v, w, b, g), lay, plan)
+    else:
+        xs = _padded_inputs((q, k, v, w, b, g), lay, plan)
     o, _, new = gdn2_pallas_forward(*xs, _row_h0(plan), plan, ex)
+    if plan.flat_tokens:  # o (1, T, HV, dv) at the flat tokens, in the core's view
+        return o[:, :t].reshape((*q.shape[:3], -1)), new.reshape(pool.shape)
     return pooled.from_padded(o, lay), new.reshape(pool.shape)

@@ -424,7 +424,7 @@ def state_dma_us(
       last write of each head group, which the kernel's end waits for (one state of all heads).
 
     Slots move in the pool's dtype. Checked against the profile of the kernel forced to write
-    every chunk (docs/serving.md). The separate calls move no state by DMA (their final states
+    every chunk (docs/results.md, section Serving). The separate calls move no state by DMA (their final states
     are the forward's outputs and an XLA scatter, both in the profile): 0."""
     import jax.numpy as jnp
 
