@@ -169,10 +169,7 @@ def test_token_states_and_the_last_slot_agree(x):
 def test_chunk_states_are_refused_by_backends_without_them(x):
     q = jnp.zeros((1, 8, 1, 64))
     with pytest.raises(BackendUnsupportedError, match=r"no chunk states \(return_chunk_states"):
-        gdn2_forward(
-            q, q, q, q, q, q, backend="pallas_tpu", config=KernelConfig(interpret=True),
-            return_chunk_states=True,
-        )  # fmt: skip
+        gdn2_forward(q, q, q, q, q, q, backend="scan_baseline", return_chunk_states=True)
     with pytest.raises(TypeError, match="return_chunk_states: expected a bool"):
         gdn2_forward(q, q, q, q, q, q, backend="jax_ref", return_chunk_states="yes")
     # auto passes over them

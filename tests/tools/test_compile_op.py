@@ -22,6 +22,42 @@ def test_packed_grouped_programs_compile(mode):
     assert "bf16[1,256,4,64]" in text  # o on the value heads
 
 
+@pytest.mark.tpu_compile
+def test_chunk_states_program_compiles():
+    """``mode="chunk-states"``: the forward with ``return_chunk_states=True`` (the third program of
+    ``--estimate``), its states (B, T / 64, H, K, V) from the Mosaic kernel."""
+    text = compile_op(
+        "pallas_tpu", "v5e:1x1", "chunk-states", 1, 256, 2, 64, 64, "bfloat16", DEFAULT_CONFIG
+    ).as_text()
+    assert "tpu_custom_call" in text and "f32[1,4,2,64,64]" in text
+
+
+@pytest.mark.tpu_compile
+def test_bounded_gate_program_compiles():
+    """``gate="-5"``: the train step with the lower-bound gate fused (``--gate -5``)."""
+    text = compile_op(
+        "pallas_tpu", "v5e:1x1", "train", 1, 256, 2, 64, 64, "bfloat16", DEFAULT_CONFIG,
+        gate="-5",
+    ).as_text()  # fmt: skip
+    assert "tpu_custom_call" in text and "gdn2_bwd" in text
+
+
+def test_gate_flag_is_checked(capsys):
+    from gdn2_tools.tpu_report import _parse
+
+    assert _parse(["--estimate", "--gate", "-5"]).gate == "-5"
+    assert _parse(["--estimate", "--gate", "softplus"]).gate == "softplus"
+    for bad in (
+        ["--estimate", "--gate", "-6"],
+        ["--estimate", "--gate", "sigmoid"],
+        ["--gate", "-1"],
+    ):
+        with pytest.raises(SystemExit):
+            _parse(bad)
+    err = capsys.readouterr().err
+    assert "--gate: expected 'softplus' or a lower bound in [-5, 0), got '-6'" in err
+
+
 def test_grouped_and_packed_flags_need_estimate(capsys):
     from gdn2_tools.tpu_report import _parse
 

@@ -13,7 +13,10 @@ How this module turns the dump into a time:
   loop condition).
 - Cycles become milliseconds at the chip's clock (:data:`CLOCK_HZ`).
 - Ops whose DMAs the profiler classifies as remote get 0 cycles: they are reported as
-  ``unmodelled`` with XLA's own fusion cost model as a rough figure. Ops on which the profiler
+  ``unmodelled``, with XLA's own fusion cost model as a rough figure and their HBM bytes
+  (:func:`hbm_bytes`), which ``gdn2 tpu-report --estimate`` prices at the chip's HBM bandwidth.
+  Every op's bytes are kept (a Mosaic kernel's from its own ``CostEstimate``), so a kernel's
+  strided DMAs, which the profiler prices at 0, can be bounded by its bytes too. Ops on which the profiler
   aborts are reported as ``unprofiled`` (the compile is repeated profiling only the others),
   unless their profile was written before the abort (some aborts come from a type check that
   runs after the simulation): then the estimate is kept.
@@ -61,7 +64,7 @@ class Program:
     per sequence, donated (:func:`gdn2_tools.tpu.compile_decode`)."""
 
     backend: str
-    mode: str  # "forward", "train" or "decode"
+    mode: str  # "forward", "chunk-states" (return_chunk_states), "train" or "decode"
     B: int
     T: int
     H: int
@@ -72,6 +75,7 @@ class Program:
     value_heads: int = 0
     pool_dtype: str = "float32"
     segments: bool = False  # forward/train: with segment_ids (packed sequences)
+    gate: str = ""  # forward/train: the fused gate, "softplus" or a lower bound ("-5"); "" none
 
     def at(self, B: int, T: int) -> Program:
         return dataclasses.replace(self, B=B, T=T)
@@ -101,6 +105,8 @@ class Estimate:
     unprofiled: dict[str, str]
     loops_without_trip_count: list[str]
     error: str | None = None
+    op_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # HBM bytes per run of
+    #   each op of the compiled program (:func:`hbm_bytes`)
 
     @property
     def cycles(self) -> int:
@@ -145,6 +151,163 @@ def fusion_cost_model(hlo: str) -> dict[str, int]:
     """``{op: cycles}`` of XLA's own fusion cost model (``window_config.estimated_cycles``)."""
     pattern = r'^\s*(?:ROOT )?%(\S+) = [^\n]*?"window_config":\{[^}]*?"estimated_cycles":"(\d+)"'
     return {name: int(c) for name, c in re.findall(pattern, hlo, re.M)}
+
+
+#: Bytes per element of the HLO element types.
+_ELEMENT_BYTES: Final = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+                         "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}  # fmt: skip
+_OP_LINE = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape (an array ``bf16[8,128]{...}`` or a tuple of them)."""
+    total = 0
+    for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _ELEMENT_BYTES.get(dtype, 0)
+    return total
+
+
+#: Ops that move no bytes of their own (views, tuples, constants).
+_NO_TRAFFIC: Final = frozenset(
+    {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "after-all", "partition-id"}
+)
+
+
+def _computations(hlo: str) -> dict[str, tuple[dict[str, int], list[re.Match]]]:
+    """``{computation: ({parameter: bytes}, [its op lines' matches of _OP_LINE])}``."""
+    found: dict[str, tuple[dict[str, int], list[re.Match]]] = {}
+    current = None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%(\S+) \((.*)\) -> .*\{\s*$", line)
+        if head:
+            params = re.findall(r"([\w.\-]+): ((?:\([^)]*\))|[a-z]+\d*\[[\d,]*\])", head.group(2))
+            current = head.group(1)
+            found[current] = ({n: shape_bytes(sh) for n, sh in params}, [])
+            continue
+        m = _OP_LINE.match(line)
+        if m and current is not None:
+            found[current][1].append(m)
+    return found
+
+
+def _operands(rest: str) -> list[str]:
+    return re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+
+
+#: Ops that view a value without moving it: a slice of the view is a slice of the value.
+_VIEWS: Final = frozenset({"bitcast", "get-tuple-element"})
+
+
+def _param_use(comp: str, comps, memo) -> dict[str, tuple[int | None, int]]:
+    """How computation ``comp`` touches each of its parameters: ``{parameter: (bytes read, None
+    for all of it; bytes written into it in place)}``. A dynamic slice reads its slice, a
+    dynamic-update-slice writes its update into its buffer (the buffer itself is not read), a
+    nested fusion touches a parameter as its own body does, anything else reads all of it."""
+    if comp in memo:
+        return memo[comp]
+    params, body = comps[comp]
+    shapes = {**params, **{m.group(1): shape_bytes(m.group(2)) for m in body}}
+    alias: dict[str, str] = {}
+    read: dict[str, int | None] = {}
+    written: dict[str, int] = {}
+
+    def root(a: str) -> str:
+        while a in alias:
+            a = alias[a]
+        return a
+
+    def reads(a: str, n: int | None) -> None:
+        a = root(a)
+        old = read.get(a, 0)
+        read[a] = None if n is None or old is None else old + n
+
+    for m in body:
+        name, shape, opcode, rest = m.groups()
+        args = _operands(rest)
+        if opcode in _VIEWS and args:
+            alias[name] = args[0]
+        elif opcode == "dynamic-slice" and args:
+            reads(args[0], shape_bytes(shape))
+            for a in args[1:]:
+                reads(a, None)
+        elif opcode == "dynamic-update-slice" and len(args) > 1:
+            written[root(args[0])] = written.get(root(args[0]), 0) + shapes.get(root(args[1]), 0)
+            for a in args[1:]:
+                reads(a, None)
+        elif opcode == "fusion" and re.search(r"calls=%([\w.\-]+)", m.string):
+            callee = re.search(r"calls=%([\w.\-]+)", m.string).group(1)
+            inner = _param_use(callee, comps, memo) if callee in comps else {}
+            for a, p in zip(args, _param_order(comps.get(callee)), strict=False):
+                r, w = inner.get(p, (None, 0))
+                reads(a, r)
+                if w:
+                    written[root(a)] = written.get(root(a), 0) + w
+        elif opcode not in _NO_TRAFFIC:
+            for a in args:
+                reads(a, None)
+    memo[comp] = {p: (read.get(p, 0), written.get(p, 0)) for p in params}
+    return memo[comp]
+
+
+def _param_order(comp) -> list[str]:
+    """The parameters of a computation in their order (``parameter(i)``)."""
+    if comp is None:
+        return []
+    order = {
+        int(re.search(r"parameter\((\d+)\)", m.string).group(1)): m.group(1)
+        for m in comp[1]
+        if m.group(3) == "parameter"
+    }
+    return [order[i] for i in sorted(order)]
+
+
+def hbm_bytes(hlo: str) -> dict[str, int]:
+    """``{op: HBM bytes per run}`` of the compiled HLO's ops: a Mosaic kernel's own
+    ``CostEstimate.bytes_accessed``; an XLA op's result and operands, where an operand read by
+    dynamic slices counts the slices and a buffer updated in place (dynamic-update-slice, as in a
+    loop's carry) counts only the update, through nested fusions; views and tuples count nothing.
+    An estimate: it assumes every operand comes from HBM once."""
+    comps = _computations(hlo)
+    shapes: dict[str, int] = {}
+    for params, ops in comps.values():
+        shapes.update(params)
+        shapes.update((m.group(1), shape_bytes(m.group(2))) for m in ops)
+    memo: dict = {}
+    found: dict[str, int] = {}
+    for _, ops in comps.values():
+        for m in ops:
+            name, shape, opcode, rest = m.groups()
+            kernel = re.search(r'"bytes_accessed":"(\d+)"', m.string)
+            if kernel and 'custom_call_target="tpu_custom_call"' in m.string:
+                found[name] = int(kernel.group(1))
+                continue
+            if opcode in _NO_TRAFFIC:
+                found[name] = 0
+                continue
+            # the op as a computation of its own: a fusion's body, else the op alone
+            callee = re.search(r"calls=%([\w.\-]+)", m.string) if opcode == "fusion" else None
+            args = _operands(rest)
+            if callee and callee.group(1) in comps:
+                use = _param_use(callee.group(1), comps, memo)
+                names = _param_order(comps[callee.group(1)])
+            else:  # an op of its own: a dynamic slice reads its slice, an update writes its update
+                names = [f"arg{i}" for i in range(len(args))]
+                use = {n: (None, 0) for n in names}
+                if opcode == "dynamic-slice" and args:
+                    use["arg0"] = (shape_bytes(shape), 0)
+                elif opcode == "dynamic-update-slice" and len(args) > 1:
+                    use["arg0"] = (0, shapes.get(args[1], 0))
+            total = shape_bytes(shape)
+            for a, p in zip(args, names, strict=False):
+                r, w = use.get(p, (None, 0))
+                total += shapes.get(a, 0) if r is None else r
+                if w:  # updated in place: the result is that buffer, only the update is written
+                    total += w - shapes.get(a, 0)
+            found[name] = max(total, 0)
+    return found
 
 
 def run_counts(hlo: str) -> tuple[dict[str, int], list[str]]:
@@ -230,7 +393,7 @@ def _child_main(argv: Sequence[str]) -> int:
         compiled = compile_op(
             program.backend, TOPOLOGIES[tpu], program.mode,
             program.B, program.T, program.H, program.dk, program.dv, program.dtype, config,
-            segments=program.segments, value_heads=program.value_heads,
+            segments=program.segments, value_heads=program.value_heads, gate=program.gate,
         )  # fmt: skip
     hlo = compiled.as_text()
     with open(os.path.join(work, "hlo.txt"), "w") as f:
@@ -361,7 +524,8 @@ def _estimate_in(work, program, tpu, kernels, xla_ops, extra_flags, timeout_s, m
         ops.append(op)
     profiled = {op.name for op in ops}
     unprofiled = {k: v for k, v in unprofiled.items() if k not in profiled}
-    return Estimate(program, tpu, ops, meta["temp_bytes"], unprofiled, unknown_loops)
+    return Estimate(program, tpu, ops, meta["temp_bytes"], unprofiled, unknown_loops,
+                    op_bytes=hbm_bytes(hlo))  # fmt: skip
 
 
 def _read(work: str, name: str) -> str:

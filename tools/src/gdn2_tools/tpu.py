@@ -63,6 +63,19 @@ def compile_for_tpu(fn, *args: Any, donate_argnums: tuple[int, ...] = ()):
     return jitted.trace(*args).lower(lowering_platforms=("tpu",)).compile()
 
 
+def gate_keywords(gate: str, H: int, dk: int) -> dict:
+    """The op's keywords of a fused gate on ``H`` heads: ``""`` none; ``"softplus"``
+    (``use_gate_in_kernel`` with ``A_log``, ``dt_bias``); a number, the lower-bound gate with
+    that ``lower_bound`` (its bounded fast path in pallas_tpu). ``A_log`` and ``dt_bias`` are
+    zeros: values do not change the compiled program."""
+    if not gate:
+        return {}
+    kw = {"use_gate_in_kernel": True, "A_log": jnp.zeros((H,)), "dt_bias": jnp.zeros((H, dk))}
+    if gate != "softplus":
+        kw["lower_bound"] = float(gate)
+    return kw
+
+
 def compile_op(
     backend: str,
     topology: str,
@@ -77,13 +90,15 @@ def compile_op(
     *,
     segments: bool = False,
     value_heads: int = 0,
+    gate: str = "",
 ):
     """Compile one backend's forward, or its train step, for a TPU topology.
 
     Args:
         backend: the backend name (called through the public ops).
         topology: e.g. ``"v5e:1x1"``.
-        mode: ``"forward"`` (``gdn2_forward``) or ``"train"`` (value and gradients of
+        mode: ``"forward"`` (``gdn2_forward``), ``"chunk-states"`` (``gdn2_forward`` with
+            ``return_chunk_states=True``) or ``"train"`` (value and gradients of
             ``sum(o * do) + sum(h_final * dh)`` in all seven arguments).
         B, T, H, dk, dv: the shape.
         dtype: the input dtype.
@@ -92,6 +107,8 @@ def compile_op(
             values are unknown at compile time, so a sequence may start at any token).
         value_heads: grouped value heads: v, w, h0 and the cotangents with this many heads
             (q, k, b, g keep ``H``); 0: ``H``.
+        gate: the gate fused in the op (:func:`gate_keywords`): ``""`` none, ``"softplus"``, or
+            a lower bound such as ``"-5"`` (the lower-bound gate).
 
     Returns:
         The compiled executable.
@@ -105,19 +122,24 @@ def compile_op(
         specs = tuple(grouped[i] if i in (2, 3, 6, 7, 8) else x for i, x in enumerate(specs))
     replicated = NamedSharding(mesh, PartitionSpec())
     extra = (jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=replicated),) if segments else ()
-    if mode == "forward":
+    fused = gate_keywords(gate, H, dk)
+    if mode in ("forward", "chunk-states"):
+        more = {"return_chunk_states": True} if mode == "chunk-states" else {}
+        more.update(fused)
 
         def fwd(q, k, v, w, b, g, h0, segment_ids=None):
             return gdn2_forward(q, k, v, w, b, g, h0=h0, segment_ids=segment_ids, config=config,
-                                backend=backend)  # fmt: skip
+                                backend=backend, **more)  # fmt: skip
 
         return compile_for_tpu(fwd, *specs[:7], *extra)
     if mode != "train":
-        raise ValueError(f"mode: expected 'forward' or 'train', got {mode!r}")
+        raise ValueError(f"mode: expected 'forward', 'chunk-states' or 'train', got {mode!r}")
 
     def step(*args):
         segment_ids = args[9] if segments else None
-        return train_step(backend=backend, config=config, segment_ids=segment_ids)(*args[:9])
+        return train_step(backend=backend, config=config, segment_ids=segment_ids, **fused)(
+            *args[:9]
+        )
 
     return compile_for_tpu(step, *specs, *extra)
 

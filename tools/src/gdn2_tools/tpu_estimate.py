@@ -1,11 +1,17 @@
-"""``gdn2 tpu-report --estimate``: TPU time of the train step and the forward, per kernel, from the
-TPU compiler's static cycle estimate (:mod:`gdn2_tools.static_profile`), next to the roofline of
-the operator and to the pure-JAX chunked backend compiled by XLA for the same TPU.
+"""``gdn2 tpu-report --estimate``: TPU time of the train step, the forward and the forward with
+chunk states (``return_chunk_states=True``), per kernel, from the TPU compiler's static cycle
+estimate (:mod:`gdn2_tools.static_profile`), next to the roofline of the operator and to the
+pure-JAX chunked backend compiled by XLA for the same TPU.
+
+The Pallas kernels are simulated at :data:`FIT_POINTS` and extrapolated linearly in ``B * T``;
+each kernel's line prints its fit's points and largest relative residual, and a row whose fit has
+fewer than three points or a residual above :data:`MAX_FIT_RESIDUAL` is flagged (exit status 1).
 
 Every figure here is a compiler estimate, not a measurement (no TPU is used); on real kernels it
 has been about 1.3x optimistic, so compare ratios. The roofline is docs/algorithm.md section 9:
 per pass, the larger of its minimum FLOPs at the bf16 MXU rate and its minimum HBM bytes (inputs
-and outputs once) at the HBM rate; the train step is forward plus backward.
+and outputs once; with chunk states, the float32 state of every chunk too) at the HBM rate; the
+train step is forward plus backward.
 """
 
 from __future__ import annotations
@@ -21,8 +27,14 @@ from gdn2_tools.static_profile import LABEL, Estimate, Program, estimate, estima
 
 #: bf16 matmul FLOP/s and HBM bytes/s per chip.
 PEAKS: Final = {"v5e": (197e12, 819e9), "v6e": (918e12, 1640e9)}
-#: Small (B, T) shapes at which the Pallas kernels are simulated, then extrapolated in B * T.
-FIT_POINTS: Final = ((1, 512), (1, 1024))
+#: Small (B, T) shapes at which the Pallas kernels are simulated, then extrapolated in B * T:
+#: three, so that the residual of the line tests something (two points fit any line exactly).
+FIT_POINTS: Final = ((1, 512), (1, 1024), (1, 2048))
+#: Largest relative residual of a kernel's fit a trustworthy row may have.
+MAX_FIT_RESIDUAL: Final = 0.02
+#: The modes of ``--estimate``: the train step, the forward, and the forward with
+#: ``return_chunk_states=True`` (for the backends that declare chunk states).
+MODES: Final = ("train", "forward", "chunk-states")
 #: Backends whose kernels the profiler simulates directly at the requested shape (no Pallas
 #: kernels: XLA ops only).
 XLA_ONLY: Final = ("jax_ref",)
@@ -39,10 +51,11 @@ def roofline_ms(program: Program, tpu: str, C: int) -> float:
     states = program.B * heads * K * V * 4
     fwd_flops = 6 * C * K + 4 * C * V + C * C / 3 + 6 * K * V
     bwd_flops = 12 * C * K + 8 * C * V + 12 * K * V + 6 * C * K + 2 * C * V + C * C / 3 + 4 * K * V
-    fwd = max(
-        tokens * fwd_flops / flops_peak, (tokens * (4 * K + 3 * V) * s + 2 * states) / bandwidth
-    )
-    if program.mode == "forward":
+    fwd_bytes = tokens * (4 * K + 3 * V) * s + 2 * states
+    if program.mode == "chunk-states":  # and the float32 state entering every chunk
+        fwd_bytes += -(-program.T // C) * states
+    fwd = max(tokens * fwd_flops / flops_peak, fwd_bytes / bandwidth)
+    if program.mode in ("forward", "chunk-states"):
         return fwd * 1e3
     bwd = max(
         tokens * bwd_flops / flops_peak, (tokens * (8 * K + 5 * V) * s + 3 * states) / bandwidth
@@ -67,35 +80,65 @@ class Row:
     temp_mib: float | None
     kernels: dict[str, float]  # kernel name -> ms
     notes: list[str]
+    fits: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)  # kernel name ->
+    #   (fit points, largest relative residual)
+    kernel_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # kernel name -> HBM
+    #   bytes (its CostEstimate)
 
 
 def row_of(program: Program, tpu: str, C: int) -> Row:
+    """The estimate of ``program`` as a row. What the profiler prices at 0 is priced by its HBM
+    bytes at the chip's bandwidth and added: XLA ops with remote DMAs, and a kernel whose bytes
+    take longer than its profile (strided DMAs, priced 0; v6e, where HBM is not modelled)."""
     e = run(program, tpu)
+    bandwidth = PEAKS[tpu][1]
     notes = []
     if e.error:
         notes.append(f"error: {e.error[:200]}")
     if e.unprofiled:
         notes.append(f"unprofiled (counted 0): {sorted(e.unprofiled)}")
-    if e.unmodelled:  # one note per row: how many ops the profiler prices at 0, and their worth
-        largest = max(e.unmodelled, key=lambda op: op.cost_model_cycles)
+    added_ms = 0.0
+    if e.unmodelled:  # one note per row: how many ops the profiler prices at 0, and their bytes
+        priced = sum(e.op_bytes.get(op.name, 0) * op.runs for op in e.unmodelled)
+        added_ms += priced / bandwidth * 1e3
+        largest = max(e.unmodelled, key=lambda op: e.op_bytes.get(op.name, 0) * op.runs)
         notes.append(
-            f"{len(e.unmodelled)} XLA op(s) priced 0 by the profiler (remote DMA); XLA's cost "
-            f"model: {e.ms(sum(op.cost_model_cycles for op in e.unmodelled)):.3f} ms in all "
-            f"(largest {largest.name}: {e.ms(largest.cost_model_cycles):.3f} ms)"
+            f"{len(e.unmodelled)} XLA op(s) priced 0 by the profiler (remote DMA), priced here by "
+            f"their HBM bytes: {priced / 1e6:.1f} MB, {priced / bandwidth * 1e3:.3f} ms at "
+            f"{bandwidth / 1e9:.0f} GB/s, added (largest {largest.name}: "
+            f"{e.op_bytes.get(largest.name, 0) * largest.runs / 1e6:.1f} MB; XLA's cost model: "
+            f"{e.ms(sum(op.cost_model_cycles for op in e.unmodelled)):.3f} ms in all)"
         )
-    for op in e.ops:
-        if op.fit and op.fit["max_rel_residual"] > 0.01:
-            notes.append(f"{op.name}: fit residual {100 * op.fit['max_rel_residual']:.1f}%")
+    fits = {op.name: (len(op.fit["points"]), op.fit["max_rel_residual"]) for op in e.ops if op.fit}
+    bad_fits = [name for name, (n, resid) in fits.items() if n < 3 or resid > MAX_FIT_RESIDUAL]
+    for name in bad_fits:
+        n, resid = fits[name]
+        notes.append(f"{name}: fit of {n} points, residual {100 * resid:.2f}% (a trustworthy fit: "
+                     f">= 3 points, <= {100 * MAX_FIT_RESIDUAL:.0f}%)")  # fmt: skip
+    kernels, kernel_bytes = {}, {}
+    for op in (op for op in e.ops if op.kernel):
+        profile_ms = e.ms(op.total)
+        kernel_bytes[op.name] = e.op_bytes.get(op.name, 0) * op.runs
+        floor_ms = kernel_bytes[op.name] / bandwidth * 1e3
+        kernels[op.name] = max(profile_ms, floor_ms)
+        if floor_ms > profile_ms:
+            added_ms += floor_ms - profile_ms
+            notes.append(
+                f"kernel {op.name}: its HBM bytes take {floor_ms:.3f} ms at {bandwidth / 1e9:.0f} "
+                f"GB/s, more than its profile's {profile_ms:.3f} ms: counted at its bytes"
+            )
     if program.value_heads and program.value_heads != program.H:
         notes.append(f"roofline: the plain call on {program.value_heads} heads (no sharing)")
-    kernels = {op.name: e.ms(op.total) for op in e.ops if op.kernel}
     temp = e.temp_bytes / 2**20 if e.temp_bytes is not None else None
     return Row(
-        program, tpu, e.ms(), roofline_ms(program, tpu, C), e.trustworthy, temp, kernels, notes
-    )
+        program, tpu, e.ms() + added_ms, roofline_ms(program, tpu, C),
+        e.trustworthy and not bad_fits, temp, kernels, notes, fits, kernel_bytes,
+    )  # fmt: skip
 
 
-def print_row(row: Row, reference: Row | None = None) -> None:
+def print_row(row: Row, reference: Row | None = None, forward: Row | None = None) -> None:
+    """One row; ``reference``: jax_ref's row of the same mode; ``forward``: the backend's forward
+    row (for the chunk-states mode)."""
     p = row.program
     print(
         f"  {p.backend} {p.mode}: {row.ms:.3f} ms estimated ({row.ms / row.roofline_ms:.1f}x the "
@@ -105,36 +148,56 @@ def print_row(row: Row, reference: Row | None = None) -> None:
             if reference
             else ""
         )
+        + (f"; {row.ms / forward.ms:.3f}x its forward" if forward else "")
         + (f"; temp HBM {row.temp_mib:.1f} MiB" if row.temp_mib is not None else "")
     )
+    bandwidth = PEAKS[row.tpu][1]
     for name, ms in sorted(row.kernels.items(), key=lambda kv: -kv[1]):
-        print(f"    kernel {name}: {ms:.3f} ms")
+        fit = row.fits.get(name)
+        how = f"; fit of {fit[0]} points, residual {100 * fit[1]:.2f}%" if fit else ""
+        hbm = row.kernel_bytes.get(name, 0)
+        print(f"    kernel {name}: {ms:.3f} ms; HBM {hbm / 1e6:.1f} MB ({hbm / bandwidth * 1e3:.3f} ms "
+              f"at {bandwidth / 1e9:.0f} GB/s){how}")  # fmt: skip
     for note in row.notes:
         print(f"    note: {note}")
     if not row.trustworthy:
-        print("    WARNING: part of this program was not profiled or not modelled (notes above)")
+        print(
+            "    WARNING: part of this program was not profiled or not modelled, or a kernel's "
+            "fit is poor (notes above)"
+        )
 
 
 def estimate_main(args, config) -> int:
-    """One shape, one generation: the Pallas backend (or ``--backend``) and jax_ref, train and
-    forward."""
+    """One shape, one generation: the Pallas backend (or ``--backend``) and jax_ref, train step,
+    forward and, for the backends that declare chunk states, the forward with
+    ``return_chunk_states=True``."""
+    from gdn2core import get_backend
+
     print(f"gdn2 tpu-report --estimate: {LABEL}")
     backends = [args.backend or "pallas_tpu", *(b for b in XLA_ONLY if b != args.backend)]
     rows = {}
-    for mode in ("train", "forward"):
-        for name in backends:
+    for mode in MODES:
+        chosen = [
+            name for name in backends
+            if mode != "chunk-states"
+            or (get_backend(name).capabilities.chunk_states and not args.segment_ids)
+        ]  # fmt: skip
+        for name in chosen:
             program = Program(name, mode, args.batch, args.seq_len, args.heads, args.dk, args.dv,
                               args.dtype, args.config, value_heads=args.value_heads,
-                              segments=args.segment_ids)  # fmt: skip
+                              segments=args.segment_ids, gate=args.gate)  # fmt: skip
             rows[name, mode] = row_of(program, args.tpu, config.bt)
-        packed = (f", HV={args.value_heads}" if args.value_heads else "") + (
-            ", segment_ids" if args.segment_ids else ""
+        packed = (
+            (f", HV={args.value_heads}" if args.value_heads else "")
+            + (", segment_ids" if args.segment_ids else "")
+            + (f", gate {args.gate}" if args.gate else "")
         )
         print(f"\n{mode} (B={args.batch} T={args.seq_len} H={args.heads} dk={args.dk} dv={args.dv} "
               f"{args.dtype}, {args.tpu}{packed})")  # fmt: skip
         ref = rows.get((XLA_ONLY[0], mode))
-        for name in backends:
-            print_row(rows[name, mode], ref if name not in XLA_ONLY else None)
+        for name in chosen:
+            fwd = rows[name, "forward"] if mode == "chunk-states" else None
+            print_row(rows[name, mode], ref if name not in XLA_ONLY else None, fwd)
     return 0 if all(r.trustworthy for r in rows.values()) else 1
 
 

@@ -63,7 +63,8 @@ def _parser() -> argparse.ArgumentParser:
         "--estimate",
         action="store_true",
         help="TPU time from the compiler's static cycle estimate: the backend's kernels and jax_ref "
-        "for the same TPU, train step and forward, against the roofline (minutes)",
+        "for the same TPU, train step, forward and forward with chunk states, against the "
+        "roofline; each kernel with its fit's residual (minutes)",
     )
     p.add_argument(
         "--value-heads",
@@ -79,6 +80,13 @@ def _parser() -> argparse.ArgumentParser:
         "without it for their cost)",
     )
     p.add_argument(
+        "--gate",
+        default="",
+        help="with --estimate: a gate fused in the op, 'softplus' or a lower bound in [-5, 0) "
+        "such as -5 (the lower-bound gate, whose bounded decays take pallas_tpu's merged-levels "
+        "path); default: none",
+    )
+    p.add_argument(
         "--table",
         metavar="OUT.md",
         help="write the table of estimates of docs/results.md (train and long shapes, v5e and v6e, bf16 and "
@@ -90,8 +98,15 @@ def _parser() -> argparse.ArgumentParser:
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p = _parser()
     args = p.parse_args(list(argv))
-    if (args.segment_ids or args.value_heads) and not args.estimate:
-        p.error("--segment-ids and --value-heads apply to --estimate only")
+    if (args.segment_ids or args.value_heads or args.gate) and not args.estimate:
+        p.error("--segment-ids, --value-heads and --gate apply to --estimate only")
+    if args.gate not in ("", "softplus"):
+        try:
+            bound = float(args.gate)
+        except ValueError:
+            bound = None
+        if bound is None or not -5.0 <= bound < 0.0:
+            p.error(f"--gate: expected 'softplus' or a lower bound in [-5, 0), got {args.gate!r}")
     return args
 
 

@@ -11,8 +11,9 @@
   (resets inside the kernels' chunks) and by ``cu_seqlens`` (varlen.py), and the gate
   activations and q/k L2 norm applied inside the kernels (activations.py).
 - ``decode``: the decode kernel (kernels_decode.py) for S up to 128 tokens per call, a float32 or
-  bfloat16 pool (``supports_decode``: decode_plan.py). No chunk states yet
-  (``return_chunk_states`` is refused: ``Capabilities.chunk_states`` is False).
+  bfloat16 pool (``supports_decode``: decode_plan.py).
+- ``forward_chunk_states``: the inference forward kernel, also writing the state entering every
+  chunk (``return_chunk_states``, prefix caching) as a blocked output of the kernel.
 - ``forward_pooled``: the ragged op's requests after its decodes on the forward kernel, which
   reads their starts from and writes their final and checkpoint states to the pool's slots in
   place (pooled.py); ``supports_pooled`` takes a float32 or bfloat16 pool and a checkpoint
@@ -84,6 +85,7 @@ class PallasTpuBackend(Backend):
         continued=True,
         fused_activations=True,
         decode=True,
+        chunk_states=True,
         pooled=True,
     )
 
@@ -104,6 +106,24 @@ class PallasTpuBackend(Backend):
     ) -> tuple[jax.Array, jax.Array]:
         """Forward and backward kernels under one ``jax.custom_vjp``."""
         return self._call(q, k, v, w, b, g, h0, spec, config, extras, trainable=True)
+
+    def forward_chunk_states(
+        self, q, k, v, w, b, g, h0, *, spec: OpSpec, config: KernelConfig, extras=None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The inference forward kernel, which also writes every chunk's entry state (see
+        :meth:`gdn2core.plugin.Backend.forward_chunk_states`; the core never packs these calls)."""
+        config = PallasTpuConfig.from_config(config)
+        _check_platform(q, config)
+        from gdn2_pallas_tpu import vjp
+
+        extras = OpExtras() if extras is None else extras
+        act = spec.activations if spec.activations.any else None
+        plan = make_plan(spec, config, vmem_capacity_bytes(q), activations=act, chunk_states=True)
+        ex = vjp.Extras(A_log=extras.A_log, dt_bias=extras.dt_bias)
+        o, h_final, chunks = vjp.gdn2_pallas_chunk_states(q, k, v, w, b, g, h0, plan, ex)
+        dtype = h0.dtype
+        return (probe("pallas_tpu o", o), probe("pallas_tpu h_final", h_final).astype(dtype),
+                chunks.astype(dtype))  # fmt: skip
 
     def _call(self, q, k, v, w, b, g, h0, spec, config, extras, trainable):
         config = PallasTpuConfig.from_config(config)

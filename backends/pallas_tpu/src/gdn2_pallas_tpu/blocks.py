@@ -223,6 +223,17 @@ def state_spec(plan: Plan) -> pl.BlockSpec:
     return pl.BlockSpec((None, plan.hb, plan.dk, plan.dv), _state_index)
 
 
+def _chunk_states_index(batch, head_group, step, *_):
+    """A step's ``nc`` chunks of its head group's ``hb`` heads."""
+    return (batch, step, head_group, I0, I0)
+
+
+def chunk_states_spec(plan: Plan) -> pl.BlockSpec:
+    """``(nc, hb, K, V)`` block of the ``(B, n_steps nc, H, K, V)`` float32 chunk-entry states,
+    the layout of fla's ``chunk_fwd_h`` (a chunk's heads contiguous: one DMA per chunk)."""
+    return pl.BlockSpec((None, plan.nc, plan.hb, plan.dk, plan.dv), _chunk_states_index)
+
+
 def residual_spec(plan: Plan, tail: tuple[int, int, int], step_of: Callable) -> pl.BlockSpec:
     """One step's block of a ``(B, H / hb, n_steps, *tail)`` residual."""
     return pl.BlockSpec(

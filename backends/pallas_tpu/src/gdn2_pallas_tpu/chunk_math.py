@@ -118,6 +118,14 @@ def level_pairs(C: int, level: int) -> jax.Array:
     return ((r >> (level + 1)) == (s >> (level + 1))) & ((r & h) != 0) & ((s & h) == 0)
 
 
+def block_pairs(C: int, block: int) -> jax.Array:
+    """[C, C] bool: the pairs (r > s) inside one aligned ``block``-row block: those first
+    separated at a level below ``log2(block)``."""
+    r, s = iota((C, C), 0), iota((C, C), 1)
+    shift = n_levels(block)
+    return ((r >> shift) == (s >> shift)) & (r > s)
+
+
 def _reference_rows(gamma_cum: jax.Array, h: int) -> jax.Array:
     """Γ (or any [U, C, d] array) at each row's level-``h`` reference row.
 
@@ -139,25 +147,54 @@ def _reference_rows(gamma_cum: jax.Array, h: int) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class Level:
-    """The decay factors of one level: ``lower`` [U, C, K] bool marks the lower-half rows;
-    ``F`` [U, C, K] is ``exp(Γ_r - Γ_p)`` on lower rows and ``exp(Γ_p - Γ_s)`` on upper rows."""
+    """The decay factors of the pairs first separated at levels ``lo..hi`` (one level, or the
+    merged levels of a bounded gate): a pair (r, s) is ``row_factor[r] * col_factor[s]``.
 
-    lower: jax.Array
+    One level: ``lower`` [U, C, K] bool marks the lower-half rows; ``F`` [U, C, K] is
+    ``exp(Γ_r - Γ_p)`` on lower rows and ``exp(Γ_p - Γ_s)`` on upper rows. Merged levels:
+    ``lower`` is None, ``F`` the rows' factor ``exp(Γ_r - Γ_p)`` and ``F_col`` the columns'
+    ``exp(Γ_p - Γ_s)``, every row both. The factors are formed where a product reads them."""
+
+    lower: jax.Array | None
     F: jax.Array
+    lo: int
+    hi: int
+    F_col: jax.Array | None = None
 
     @property
     def row_factor(self) -> jax.Array:
-        """[U, C, K]: the factor of the later row r of a pair (0 on upper rows)."""
-        return jnp.where(self.lower, self.F, ZERO)
+        """[U, C, K]: the factor of the later row r of a pair (0 on rows that are none)."""
+        return self.F if self.lower is None else jnp.where(self.lower, self.F, ZERO)
 
     @property
     def col_factor(self) -> jax.Array:
-        """[U, C, K]: the factor of the earlier row s of a pair (0 on lower rows)."""
-        return jnp.where(self.lower, ZERO, self.F)
+        """[U, C, K]: the factor of the earlier row s of a pair (0 on rows that are none)."""
+        return self.F_col if self.lower is None else jnp.where(self.lower, ZERO, self.F)
+
+    def pairs(self, C: int) -> jax.Array:
+        """[C, C] bool: the pairs this level holds."""
+        if self.lo == self.hi:
+            return level_pairs(C, self.lo)
+        assert self.lo == 0, "merged levels start at level 0"
+        return block_pairs(C, 2 << self.hi)
 
 
-def decay_levels(gamma_cum: jax.Array, g: jax.Array, seg: Segments | None = None) -> list[Level]:
-    """The ``L`` levels of a chunk (Γ = ``gamma_cum`` and the clamped ``g``, both [U, C, K]).
+def merged_levels(gamma_cum: jax.Array, block: int) -> Level:
+    """The levels inside aligned ``block``-row blocks as one (a bounded gate, plan.py): every
+    row's factors relative to its block's reference row p (its first lower-half row),
+    ``exp(Γ_r - Γ_p)`` and ``exp(Γ_p - Γ_s)``, whose exponents are at most ``block / 2`` decays
+    in size, so their product ``exp(Γ_r - Γ_s)`` neither overflows nor underflows."""
+    ref = _reference_rows(gamma_cum, block // 2)  # [U, C, K] Γ_p
+    F_row, F_col = jnp.exp(gamma_cum - ref), jnp.exp(ref - gamma_cum)  # [U, C, K] each
+    return Level(None, F_row, 0, n_levels(block) - 1, F_col)
+
+
+def decay_levels(
+    gamma_cum: jax.Array, g: jax.Array, seg: Segments | None = None, block: int = 1
+) -> list[Level]:
+    """The levels of a chunk (Γ = ``gamma_cum`` and the clamped ``g``, both [U, C, K]): the ``L``
+    levels, or with ``block > 1`` (a bounded gate, no ``seg``) the levels inside ``block``-row
+    blocks merged into one (:func:`merged_levels`) and the levels above it.
 
     With ``seg`` (Γ then restarts at every sequence start), a row in another sequence than its
     reference row gets the factor 0 (exponent masked to the finite :data:`MASKED` before the
@@ -166,7 +203,12 @@ def decay_levels(gamma_cum: jax.Array, g: jax.Array, seg: Segments | None = None
     U, C, K = gamma_cum.shape
     rows = iota((U, C, K), 1)
     levels = []
-    for level in range(n_levels(C)):
+    first = 0
+    if block > 1:
+        assert seg is None, "merged levels: a reference row may lie in another sequence"
+        levels.append(merged_levels(gamma_cum, block))
+        first = n_levels(block)
+    for level in range(first, n_levels(C)):
         h = 1 << level
         lower = (rows & h) != 0
         if h == 1:  # p = r for odd r (factor 1); even s pairs with p = s + 1: exp(g_(s+1))
@@ -178,7 +220,7 @@ def decay_levels(gamma_cum: jax.Array, g: jax.Array, seg: Segments | None = None
             same = None if seg is None else seg.count == _reference_rows(seg.count, h)
         if same is not None:
             expo = jnp.where(same, expo, MASKED)
-        levels.append(Level(lower, jnp.exp(expo)))
+        levels.append(Level(lower, jnp.exp(expo), level, level))
     return levels
 
 
@@ -208,8 +250,9 @@ def clamp_log_decay(g: jax.Array) -> jax.Array:
     return jnp.maximum(g, G_FLOOR)
 
 
-def chunk_local(q, k, v, w, b, g, seg: Segments | None = None) -> ChunkLocal:
-    """F1-F3 and the decay levels for [U, C, d] float32 inputs (``g`` already clamped).
+def chunk_local(q, k, v, w, b, g, seg: Segments | None = None, block: int = 1) -> ChunkLocal:
+    """F1-F3 and the decay levels for [U, C, d] float32 inputs (``g`` already clamped); ``block``:
+    the rows whose levels merge (a bounded gate, :func:`decay_levels`).
 
     With ``seg`` (packed sequences): Γ restarts at every sequence start; exp(Γ) (the decay from
     the chunk's entry state) is 0 on rows after a start in the chunk, exp(Γ_C - Γ) (to the
@@ -237,7 +280,7 @@ def chunk_local(q, k, v, w, b, g, seg: Segments | None = None) -> ChunkLocal:
         E_bar=e_gamma * E,  # F3
         Q_tilde=e_gamma * q,
         K_tilde=e_tail * k,
-        levels=decay_levels(gamma_cum, g, seg),
+        levels=decay_levels(gamma_cum, g, seg, block),
     )
 
 
@@ -249,11 +292,11 @@ def scores(
     U, C, _ = k.shape
     A_kk = jnp.zeros((U, C, C), F32)
     A_qk = jnp.zeros((U, C, C), F32)
-    for level, lv in enumerate(levels):
+    for lv in levels:
         row_f = lv.row_factor  # [U, C, K]
         X = jnp.concatenate([E * row_f, q * row_f], axis=1)  # [U, 2C, K]
         pairs = mm_nt(X, k * lv.col_factor, precision)  # [U, 2C, C]
-        here = level_pairs(C, level)  # [C, C]
+        here = lv.pairs(C)  # [C, C]
         A_kk = jnp.where(here, pairs[:, :C], A_kk)
         A_qk = jnp.where(here, pairs[:, C:], A_qk)
     eye = iota((C, C), 0) == iota((C, C), 1)
@@ -297,8 +340,8 @@ def score_backward(
     dQ_s = jnp.zeros((U, C, K), F32)
     dE_s = jnp.zeros((U, C, K), F32)
     dK_s = jnp.zeros((U, C, K), F32)
-    for level, lv in enumerate(levels):
-        here = level_pairs(C, level)  # [C, C]
+    for lv in levels:
+        here = lv.pairs(C)  # [C, C]
         P = jnp.concatenate([jnp.where(here, P_qk, ZERO), jnp.where(here, P_kk, ZERO)], axis=1)
         row_f, col_f = lv.row_factor, lv.col_factor  # [U, C, K]
         rho = mm(P, k * col_f, precision)  # [U, 2C, K]

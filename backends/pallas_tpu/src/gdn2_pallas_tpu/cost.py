@@ -55,6 +55,8 @@ def cost_forward(plan: Plan, save_residuals: bool) -> dict[str, int]:
     io = tokens * (4 * K + 3 * V) * s + 2 * plan.batch * plan.heads * K * V * F32_BYTES
     if save_residuals:
         io += residual_bytes(plan)
+    if plan.chunk_states:  # the f32 state entering every chunk
+        io += plan.batch * plan.heads * (plan.t_pad // plan.C) * K * V * F32_BYTES
     return {
         "flops": int(tokens * flops_forward_per_token(plan)),
         "transcendentals": int(tokens * K * (2 + _levels(plan))),

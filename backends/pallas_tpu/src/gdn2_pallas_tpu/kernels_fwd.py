@@ -4,7 +4,8 @@ Grid ``(B, H / hb, n_steps)``, the step axis last and "arbitrary" (the state is 
 scratch from step to step), the others "parallel". A step takes ``nc`` chunks of ``hb`` heads (see
 plan.py): phase A for all ``U = hb nc`` units at once, then ``nc`` state updates per head. The
 training forward also writes the backward's residuals: ``T`` and ``A_qk`` of every chunk (packed into
-one matrix), and the state entering every step.
+one matrix), and the state entering every step; with ``plan.chunk_states`` (prefix caching) the
+inference forward writes the state entering every chunk.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class ForwardRefs:
     #   or the pool (plan.pooled, aliased to seq_h0)
     TA_out: object | None  # [U / pack, C, pack C] residual: A_qk (lower), T^T (upper), lane-packed
     state_out: object | None  # [hb, K, V] f32: the state entering this step
+    chunks_out: object | None  # [nc, hb, K, V] f32: the state entering each chunk of the step
+    #   (plan.chunk_states)
     # Scratch.
     S: object  # [hb, K, V] f32 the carried state
     seq_buf: object | None  # [hb, K, V] f32 staging of per-sequence states (plan.varlen), or of
@@ -126,7 +129,7 @@ def _step(r: ForwardRefs, plan: Plan, save: bool, flat: flat_tokens.FlatTokens |
         q, k, v, w, b, g = flat.mask(valid, q, k, v, w, b, g)
     g = cm.clamp_log_decay(g)  # [U, C, K]
     seg = None if r.starts is None else cm.Segments.from_starts(blocks.load_starts(r.starts, plan))
-    L = cm.chunk_local(q, k, v, w, b, g, seg)
+    L = cm.chunk_local(q, k, v, w, b, g, seg, plan.merged_block)
     A_kk, A_qk = cm.scores(L.E, q, k, L.levels, p.scores)  # [U, C, C] F4
     T = cm.wy_inverse(A_kk, plan.wy_eps, p.inverse)  # [U, C, C] F5
     if save:
@@ -153,6 +156,8 @@ def _step(r: ForwardRefs, plan: Plan, save: bool, flat: flat_tokens.FlatTokens |
             seqs.hbm = r.seq_h0
             seqs.read(j, seqs.is_first(j), r.S)
         S = r.S[...]  # [hb, K, V] entering chunk j
+        if r.chunks_out is not None:
+            r.chunks_out[j] = S
         R = blocks.chunk_of(U, j, plan) - mm(
             blocks.chunk_of(Y, j, plan), S, p.state
         )  # [hb, C, V] F7
@@ -195,7 +200,8 @@ def forward_call(
     segments), gate parameters ``(H, 2, K)`` (None without a fused gate), the chunk table and the
     per-sequence initial states (None without cu_seqlens, varlen.py) and h0 ``(B, H, K, V)``
     f32 ->
-    ``(o, h_final)``, plus ``(T, A_qk, states)`` residuals when ``save``."""
+    ``(o, h_final)``, plus ``(T, A_qk, states)`` residuals when ``save``, plus the chunk-entry
+    states ``(B, t_pad / C, H, K, V)`` f32 with ``plan.chunk_states``."""
     B, H, K, V, hb = plan.batch, plan.heads, plan.dk, plan.dv, plan.hb
     step_of = blocks.forward_step
     io = blocks.TokenIO(plan, step_of)
@@ -240,6 +246,11 @@ def forward_call(
             on(save, jax.ShapeDtypeStruct((*res, *plan.residual_block), plan.residual_dtype)),
         ),
         refs.Output("state_out", entry, on(save, jax.ShapeDtypeStruct((*res, hb, K, V), F32))),
+        refs.Output(  # the chunk-entry states (B, n_steps nc, H, K, V)
+            "chunks_out",
+            blocks.chunk_states_spec(plan),
+            on(plan.chunk_states, jax.ShapeDtypeStruct((B, plan.t_pad // plan.C, H, K, V), F32)),
+        ),
         refs.Scratch("S", pltpu.VMEM((hb, K, V), F32)),
         # a state's DMA staging: [hb, K, V] f32, or a slot [hb, G K, V / G] in the pool's dtype
         refs.Scratch("seq_buf", on(plan.varlen, pltpu.VMEM(stage, slot_dtype))),

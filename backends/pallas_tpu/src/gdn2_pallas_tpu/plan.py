@@ -56,6 +56,10 @@ MAX_HEADS_PER_STEP: Final = 8
 #: Rows (tokens x heads) of a grid step at most: 24 units of C = 64 (4 chunks of 6 heads), the
 #: measured best at the train shape; more adds VMEM but no speed.
 MAX_STEP_ROWS: Final = 24 * 64
+#: The largest exponent a factor of merged levels may reach (:attr:`Plan.merged_block`): exp(64)
+#: is 6e27, which leaves float32 (3e38) ten orders of magnitude for the sums of such products
+#: in the score backward before the small factor brings them back.
+MERGED_EXPONENT: Final = 64.0
 #: Chunks per grid step at most (the sequential state pass is nc steps long).
 MAX_CHUNKS_PER_STEP: Final = 8
 #: Chunk lengths the level scheme takes: powers of two (levels), sublane aligned, MXU sized.
@@ -185,6 +189,7 @@ class Plan:
     pool_groups: int = 0  # pooled requests (pooled.py): the pool's value heads per head; 0: none
     pool_checkpoints: bool = False  # pooled requests that store checkpoints (pooled.py)
     token_rows: int = 0  # pooled, token-major: the flat tokens the kernel reads (flat_tokens.py)
+    chunk_states: bool = False  # the forward also writes the state entering every chunk
 
     @property
     def varlen(self) -> bool:
@@ -211,6 +216,24 @@ class Plan:
     def gate(self) -> bool:
         """Whether the kernels take the gate parameters (``exp(A_log)``, ``dt_bias``)."""
         return self.fused and self.activations.gate != "none"
+
+    @property
+    def merged_block(self) -> int:
+        """Rows of the blocks whose decay levels merge into one product (1: none).
+
+        With the bounded gate (``lower_bound``: every log decay lies in ``[lower_bound, 0)``),
+        the factors of a pair relative to its block's middle row have exponents of at most
+        ``block / 2 * |lower_bound|``; the largest power-of-two block, up to ``C``, that keeps
+        them within :data:`MERGED_EXPONENT` needs no levels inside it (chunk_math.py). Packed
+        sequences by ``segment_ids`` keep the levels (a block's middle row may lie in another
+        sequence than a pair of it)."""
+        act = self.activations
+        if not self.fused or act.gate != "lower_bound" or self.segments:
+            return 1
+        block = self.C
+        while block > 1 and block // 2 * abs(act.lower_bound) > MERGED_EXPONENT:
+            block //= 2
+        return block if block >= 4 else 1  # 2 rows: level 0 alone, nothing merges
 
     @property
     def units(self) -> int:
@@ -284,6 +307,8 @@ def vmem_bytes(plan: Plan, backward: bool) -> dict[str, int]:
         blocks += 2 * plan.step_len * NUM_LANES * F32_BYTES
     if plan.gate:  # (hb, 2, K) float32 gate parameters (and their gradient), rows padded to 8
         blocks += (4 if backward else 2) * hb * NUM_SUBLANES * K * F32_BYTES
+    if plan.chunk_states and not backward:  # the [nc, hb, K, V] f32 chunk states, double-buffered
+        blocks += 2 * U * K * V * F32_BYTES
     scratch = hb * K * V * F32_BYTES  # the carried state (or dS)
     if plan.varlen:  # the per-sequence states' read staging (the backward: and a spare state),
         # and the writes' staging buffers (state_writes.py; f32 counted for a pool of any dtype)
@@ -306,9 +331,11 @@ def make_plan(
     segments: bool = False,
     activations: object = None,
     n_seqs: int = 0,
+    chunk_states: bool = False,
 ) -> Plan:
     """The plan of one call (see the module docstring for the choices); ``n_seqs``: the
-    sequences of a ``cu_seqlens`` call (0 otherwise; :func:`varlen_plan` gives the row).
+    sequences of a ``cu_seqlens`` call (0 otherwise; :func:`varlen_plan` gives the row);
+    ``chunk_states``: an inference forward that also writes every chunk's entry state.
 
     Raises:
         TypeError: ``config`` is another backend's config class (:class:`PallasTpuConfig`).
@@ -347,6 +374,7 @@ def make_plan(
             segments=segments,
             activations=activations,
             n_seqs=n_seqs,
+            chunk_states=chunk_states,
         )
         need = max(vmem_bytes(plan, False)["total"], vmem_bytes(plan, True)["total"])
         if need <= budget or (nc == 1 and hb == 1):

@@ -191,6 +191,19 @@ def gdn2_pallas_forward(q, k, v, w, b, g, h0, plan: Plan, extras: Extras = NO_EX
     return o, h_final, seq_h_final
 
 
+def gdn2_pallas_chunk_states(q, k, v, w, b, g, h0, plan: Plan, extras: Extras = NO_EXTRAS):
+    """Inference forward that also writes the state entering every chunk (``plan.chunk_states``;
+    no packed sequences): ``(o, h_final, chunk_states)``, the last ``(B, ceil(T / C), H, K, V)``
+    float32."""
+    if not plan.chunk_states or plan.varlen or plan.segments:
+        raise ValueError("gdn2_pallas_chunk_states: expected a plan with chunk_states and no packed "
+                         f"sequences, got chunk_states={plan.chunk_states}, varlen={plan.varlen}, "
+                         f"segments={plan.segments}")  # fmt: skip
+    o, h_final, _, _, (chunks,) = _forward(q, k, v, w, b, g, h0, extras, plan, False)
+    n_chunks = -(-plan.seq_len // plan.C)  # the chunks of the caller's T, not of t_pad
+    return o, h_final, chunks if chunks.shape[1] == n_chunks else chunks[:, :n_chunks]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def gdn2_pallas_trainable(q, k, v, w, b, g, h0, extras: Extras, plan: Plan):
     """Differentiable forward: ``(o, h_final, seq_h_final)``; gradients in q, k, v, w, b, g, h0,

@@ -1,0 +1,138 @@
+"""``gdn2 tpu-report --estimate``'s rows without a compile: the roofline of each mode, the
+flagging of kernel fits that test nothing (fewer than three points) or fit badly, and the pricing
+by HBM bytes of what the profiler prices at 0."""
+
+from __future__ import annotations
+
+import pytest
+
+from gdn2_tools import tpu_estimate
+from gdn2_tools.static_profile import Estimate, OpCycles, Program, hbm_bytes
+
+PROGRAM = Program("pallas_tpu", "forward", 8, 4096, 6, 128, 128, "bfloat16")
+
+
+def test_chunk_states_roofline_adds_the_states_bytes():
+    """v5e, bf16, B8 T4096 H6 d128: the forward is HBM-bound, (B T H (4 K + 3 V) 2 + 2 B H K V 4)
+    bytes = 358.6 MB at 819 GB/s = 0.4379 ms; chunk states add B H (T / 64) K V 4 bytes = 201 MB,
+    0.246 ms."""
+    fwd = tpu_estimate.roofline_ms(PROGRAM, "v5e", 64)
+    chunks = tpu_estimate.roofline_ms(Program(**{**PROGRAM.__dict__, "mode": "chunk-states"}),
+                                      "v5e", 64)  # fmt: skip
+    states = 8 * 6 * 64 * 128 * 128 * 4 / 819e9 * 1e3
+    assert fwd == pytest.approx(0.4379, abs=1e-4)
+    assert chunks - fwd == pytest.approx(states, rel=1e-9)
+
+
+def _row(monkeypatch, points, residual):
+    fit = {"points": points, "cycles_per_token": 1.0, "max_rel_residual": residual}
+    e = Estimate(PROGRAM, "v5e", [OpCycles("gdn2_fwd", 1_500_000, 1, True, fit=fit)], 0, {}, [],
+                 op_bytes={"gdn2_fwd": 81_900_000})  # fmt: skip
+    monkeypatch.setattr(tpu_estimate, "run", lambda program, tpu: e)
+    return tpu_estimate.row_of(PROGRAM, "v5e", 64)
+
+
+@pytest.mark.parametrize(
+    "points, residual, ok",
+    [([(512, 1), (1024, 2), (2048, 4)], 0.001, True),
+     ([(512, 1), (1024, 2)], 0.0, False),  # two points: a zero residual tests nothing
+     ([(512, 1), (1024, 2), (2048, 4)], 0.05, False)],
+    ids=["three-points", "two-points", "poor-fit"],
+)  # fmt: skip
+def test_fits_are_flagged_unless_three_points_within_two_percent(monkeypatch, capsys, points,
+                                                                 residual, ok):  # fmt: skip
+    row = _row(monkeypatch, points, residual)
+    assert row.trustworthy is ok
+    assert row.fits == {"gdn2_fwd": (len(points), residual)}
+    tpu_estimate.print_row(row)
+    out = capsys.readouterr().out
+    assert "kernel gdn2_fwd: 1.000 ms; HBM 81.9 MB (0.100 ms at 819 GB/s); fit of" in out
+    assert ("WARNING" in out) is not ok
+
+
+def test_the_fit_points_are_three():
+    assert len(tpu_estimate.FIT_POINTS) >= 3
+
+
+#: A compiled program's text, cut down: a kernel with its CostEstimate and an XLA fusion.
+HLO = """
+ENTRY %main (p0: bf16[4,128]) -> f32[4,128] {
+  %p0 = bf16[4,128]{1,0} parameter(0)
+  %p1 = f32[2]{0} parameter(1)
+  %gdn2_fwd.1 = (bf16[4,128]{1,0}, f32[8]{0}) custom-call(%p0, %p1), custom_call_target="tpu_custom_call", backend_config={"cost_estimate":{"flops":"1","transcendentals":"0","bytes_accessed":"5000","remote_bytes_transferred":"0"}}
+  %gte = bf16[4,128]{1,0} get-tuple-element(%gdn2_fwd.1), index=0
+  ROOT %fusion.3 = f32[4,128]{1,0} fusion(%gte, %p1), kind=kLoop, calls=%fused
+}
+"""
+
+
+#: A loop body's ops: a fusion that slices a row of a big parameter inside a nested fusion, and
+#: one that writes a row into the loop's carry in place.
+LOOP = """
+%inner (p0: f32[1024,128], p1: s32[]) -> f32[1,128] {
+  %p0 = f32[1024,128]{1,0} parameter(0)
+  %p1 = s32[]{:T(128)} parameter(1)
+  %zero = s32[] constant(0)
+  ROOT %ds = f32[1,128]{1,0} dynamic-slice(%p0, %p1, %zero), dynamic_slice_sizes={1,128}
+}
+
+%outer (q0: f32[1024,128], q1: s32[]) -> f32[1,128] {
+  %q0 = f32[1024,128]{1,0} parameter(0)
+  %q1 = s32[]{:T(128)} parameter(1)
+  %nested = f32[1,128]{1,0} fusion(%q0, %q1), kind=kLoop, calls=%inner
+  ROOT %e = f32[1,128]{1,0} exponential(%nested)
+}
+
+%update (r0: f32[1024,128], r1: f32[1,128], r2: s32[]) -> f32[1024,128] {
+  %r0 = f32[1024,128]{1,0} parameter(0)
+  %r1 = f32[1,128]{1,0} parameter(1)
+  %r2 = s32[]{:T(128)} parameter(2)
+  %zero.1 = s32[] constant(0)
+  %b = f32[1024,128]{1,0} bitcast(%r0)
+  ROOT %dus = f32[1024,128]{1,0} dynamic-update-slice(%b, %r1, %r2, %zero.1)
+}
+
+%body (x: f32[1024,128], y: f32[1024,128], i: s32[]) -> f32[1024,128] {
+  %x = f32[1024,128]{1,0} parameter(0)
+  %y = f32[1024,128]{1,0} parameter(1)
+  %i = s32[]{:T(128)} parameter(2)
+  %row = f32[1,128]{1,0} fusion(%x, %i), kind=kLoop, calls=%outer
+  ROOT %carry = f32[1024,128]{1,0} fusion(%y, %row, %i), kind=kLoop, calls=%update
+}
+"""
+
+
+def test_hbm_bytes_of_kernels_and_xla_ops():
+    """A kernel: its own bytes_accessed; an XLA op: its result (4 * 128 f32) and its operands
+    (4 * 128 bf16, 2 f32)."""
+    found = hbm_bytes(HLO)
+    assert found["gdn2_fwd.1"] == 5000
+    assert found["fusion.3"] == 4 * 128 * 4 + 4 * 128 * 2 + 2 * 4
+
+
+def test_hbm_bytes_count_slices_and_in_place_updates():
+    """In a loop body: a row sliced from a (1024, 128) f32 buffer inside a nested fusion reads
+    512 bytes (and writes 512), not the 512 KiB buffer; a row written into the carry in place
+    writes 512 bytes and reads the row (512), not the buffer."""
+    found = hbm_bytes(LOOP)
+    row = 128 * 4
+    assert found["row"] == row + row + 4  # the slice read, the result, the index
+    assert found["carry"] == row + row + 4  # the update read and written, the index
+
+
+def test_what_the_profiler_prices_at_zero_is_priced_by_bytes(monkeypatch, capsys):
+    """An XLA op with 0 cycles (remote DMA) adds its bytes' time; a kernel whose bytes take longer
+    than its profile counts at its bytes; both say so in a note."""
+    ops = [
+        OpCycles("gdn2_fwd", 150_000, 1, True),  # 0.1 ms profiled; 163.8 MB = 0.2 ms
+        OpCycles("fusion.3", 0, 2, False, unmodelled=True, cost_model_cycles=10),  # 2 x 40.95 MB
+    ]
+    e = Estimate(PROGRAM, "v5e", ops, 0, {}, [],
+                 op_bytes={"gdn2_fwd": 163_800_000, "fusion.3": 40_950_000})  # fmt: skip
+    monkeypatch.setattr(tpu_estimate, "run", lambda program, tpu: e)
+    row = tpu_estimate.row_of(PROGRAM, "v5e", 64)
+    assert row.ms == pytest.approx(0.2 + 0.1, rel=1e-9)
+    assert row.kernels == {"gdn2_fwd": pytest.approx(0.2, rel=1e-9)}
+    assert row.kernel_bytes == {"gdn2_fwd": 163_800_000}
+    assert any("priced here by their HBM bytes: 81.9 MB, 0.100 ms" in n for n in row.notes)
+    assert any("kernel gdn2_fwd: its HBM bytes take 0.200 ms" in n for n in row.notes)
