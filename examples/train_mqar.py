@@ -98,7 +98,8 @@ def pack_batch(batch, per_row: int):
 
 
 class Block(nnx.Module):
-    def __init__(self, d_model, heads, head_dim, *, backend, config, rngs, **mesh_axes):
+    def __init__(self, d_model, heads, head_dim, *, backend, config, rngs, variant="gdn2",
+                 **mesh_axes):  # fmt: skip
         self.norm1 = nnx.RMSNorm(d_model, rngs=rngs)
         self.mixer = GDN2Layer(
             d_model,
@@ -107,6 +108,7 @@ class Block(nnx.Module):
             expand_v=2,
             backend=backend,
             config=config,
+            variant=variant,
             rngs=rngs,
             **mesh_axes,
         )
@@ -127,9 +129,11 @@ class Block(nnx.Module):
 
 class MQARModel(nnx.Module):
     def __init__(
-        self, vocab, d_model, layers, heads, head_dim, *, backend, config, rngs, **mesh_axes
-    ):
-        """``mesh_axes``: ``mesh=``, ``batch_axes=``, ... for every ``GDN2Layer``."""
+        self, vocab, d_model, layers, heads, head_dim, *, backend, config, rngs, variant="gdn2",
+        **mesh_axes,
+    ):  # fmt: skip
+        """``variant``: the ``GDN2Layer`` variant; ``mesh_axes``: ``mesh=``, ``batch_axes=``, ...
+        for every ``GDN2Layer``."""
         self.embed = nnx.Embed(vocab, d_model, rngs=rngs)
         self.blocks = getattr(nnx, "List", list)(
             [
@@ -140,6 +144,7 @@ class MQARModel(nnx.Module):
                     backend=backend,
                     config=config,
                     rngs=rngs,
+                    variant=variant,
                     **mesh_axes,
                 )
                 for _ in range(layers)
@@ -192,6 +197,12 @@ def train_step(model, optimizer, tokens, targets, mask, segment_ids=None):
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="auto", help="gdn2 backend (see `gdn2 info`)")
+    p.add_argument(
+        "--variant",
+        choices=("gdn2", "kda", "gdn"),
+        default="gdn2",
+        help="the token mixer: GDN-2, KDA or GDN (GDN2Layer(variant=...); default %(default)s)",
+    )
     p.add_argument("--steps", type=int, default=800)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=32)
@@ -274,6 +285,7 @@ def main(argv=None) -> int:
         backend=args.backend,
         config=config,
         rngs=nnx.Rngs(args.seed),
+        variant=args.variant,
         **mesh_axes,
     )
     warmup = max(1, args.steps // 10)
@@ -302,7 +314,8 @@ def main(argv=None) -> int:
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     chance = 1.0 / (args.vocab - args.vocab // 2)
     print(
-        f"backend: {name} (requested {args.backend!r}); jax {jax.__version__} on "
+        f"mixer: {args.variant}; backend: {name} (requested {args.backend!r}); jax "
+        f"{jax.__version__} on "
         f"{jax.devices()[0].platform}"
     )
     print(

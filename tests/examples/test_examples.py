@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import gdn2core
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -89,6 +91,14 @@ def test_train_mqar_smoke():
     name = _backend()
     out = _run("train_mqar.py", "--backend", name, *TINY_MQAR)
     assert f"backend: {name}" in out
+    assert "final eval accuracy" in out
+
+
+@pytest.mark.parametrize("variant", ["kda", "gdn"])
+def test_train_mqar_variants_smoke(variant):
+    name = _backend()
+    out = _run("train_mqar.py", "--backend", name, "--variant", variant, *TINY_MQAR)
+    assert f"mixer: {variant}; backend: {name}" in out
     assert "final eval accuracy" in out
 
 

@@ -22,6 +22,9 @@ from gdn2core.memory import estimate_memory, get_recommended_config
 from gdn2core.ops.decode.api import gdn2_decode, init_state_pool, which_decode_backend
 from gdn2core.ops.decode.reference import gdn2_decode_reference
 from gdn2core.ops.decode.spec import DecodeSpec
+from gdn2core.ops.family.gdn import chunk_gated_delta_rule
+from gdn2core.ops.family.kda import chunk_kda
+from gdn2core.ops.family.reference import naive_recurrent_gated_delta_rule, naive_recurrent_kda
 from gdn2core.ops.forward.api import gdn2_forward, gdn2_forward_trainable, which_backend
 from gdn2core.ops.forward.reference import gdn2_token_serial_reference
 from gdn2core.ops.forward.spec import OpSpec
@@ -67,6 +70,8 @@ __all__ = [
     "RaggedSpec",
     "SegmentMode",
     "Verdict",
+    "chunk_gated_delta_rule",
+    "chunk_kda",
     "estimate_memory",
     "gdn2_decode",
     "gdn2_decode_reference",
@@ -81,6 +86,8 @@ __all__ = [
     "init_state_pool",
     "is_tpu_available",
     "list_backends",
+    "naive_recurrent_gated_delta_rule",
+    "naive_recurrent_kda",
     "register_backend",
     "resolve_backend",
     "unregister_backend",

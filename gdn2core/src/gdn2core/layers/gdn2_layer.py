@@ -35,6 +35,11 @@ same fused options); split anywhere, the outputs are those of one call over the 
 :meth:`GDN2Layer.ragged` serves an engine's flat batch of requests against slot pools
 (:mod:`gdn2core.layers.ragged`, ``docs/serving.md``).
 
+Variants (``variant=``): ``"kda"`` (Kimi Delta Attention) projects one beta per head with
+``b_proj``, which is both the erase and the write gate (``w = b``, no ``w_proj``); ``"gdn"``
+(Gated DeltaNet) also projects one decay per head with ``f_proj`` (``dt_bias`` per head). Their
+scalars broadcast to the operator's shapes (``docs/operator.md``, section KDA and GDN).
+
 The operator contract is ``docs/operator.md``; the parameterisation of the decay follows
 fla's KDA/GDN-2 layers (``A_log`` per head initialised from U(1, 16), ``dt_bias`` per key channel
 initialised as the inverse softplus of a log-uniform step in ``[dt_min, dt_max]``).
@@ -60,6 +65,9 @@ from gdn2core.ops.decode.spec import POOL_DTYPES
 from gdn2core.ops.forward.api import gdn2_forward, gdn2_forward_trainable
 from gdn2core.registry import get_backend
 from gdn2core.selection import AUTO
+
+#: The layer's variants (``GDN2Layer(variant=...)``): GDN-2, KDA and GDN on the same operator.
+VARIANTS = ("gdn2", "kda", "gdn")
 
 
 @functools.partial(
@@ -223,6 +231,12 @@ class GDN2Layer(nnx.Module):
         num_v_heads: HV, the value heads (a multiple of ``num_heads``); None for ``num_heads``.
         key_head_gates: b, g (and ``A_log``, ``dt_bias``) per key head (H) instead of per value
             head (HV, fla's and Qwen3-Next's layout); the same without grouped value heads.
+        variant: ``"gdn2"``; ``"kda"`` (Kimi Delta Attention: ``b_proj`` gives one beta per
+            head, the erase and write gates both, no ``w_proj``); ``"gdn"`` (Gated DeltaNet:
+            beta as KDA's and ``f_proj`` one decay per head, ``dt_bias`` ``(Hg,)``). The same
+            operator call: the scalars broadcast to its shapes (docs/operator.md, section KDA
+            and GDN). ``lift_b`` is GDN-2's alone (fla's ``allow_neg_eigval`` doubles KDA's one
+            beta, erase and write, which the fused activations do not express).
         conv_size: kernel size of the short causal convolution on q, k, v (0 disables it).
         lift_b: erase gate in (0, 2) instead of (0, 1) (allows negative eigenvalues).
         backend: gdn2 backend name or "auto" (see ``gdn2 info``).
@@ -265,8 +279,15 @@ class GDN2Layer(nnx.Module):
         context_axis: str | None = None,
         num_v_heads: int | None = None,
         key_head_gates: bool = False,
+        variant: str = "gdn2",
         rngs: nnx.Rngs,
     ):
+        if variant not in VARIANTS:
+            raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
+        if variant != "gdn2" and lift_b:
+            raise ValueError(f"lift_b: expected False with variant={variant!r} (GDN-2's erase gate "
+                             "alone), got True")  # fmt: skip
+        self.variant = variant
         dv = int(expand_v * head_dim)
         if dv < 1 or dv != expand_v * head_dim:
             raise ValueError(f"expand_v * head_dim must be a positive integer, got {dv}")
@@ -303,11 +324,10 @@ class GDN2Layer(nnx.Module):
             lin(d_model, H * dk),
             lin(d_model, HV * dv),
         )
-        self.b_proj, self.w_proj, self.f_proj = (
-            lin(d_model, Hg * dk),
-            lin(d_model, HV * dv),
-            lin(d_model, Hg * dk),
-        )
+        scalar_beta, scalar_decay = variant != "gdn2", variant == "gdn"
+        self.b_proj = lin(d_model, Hg if scalar_beta else Hg * dk)  # KDA, GDN: beta per head
+        self.w_proj = None if scalar_beta else lin(d_model, HV * dv)
+        self.f_proj = lin(d_model, Hg if scalar_decay else Hg * dk)
         self.gate_proj = lin(d_model, HV * dv)
         self.o_proj = lin(HV * dv, d_model)
         if conv_size > 0:
@@ -321,11 +341,30 @@ class GDN2Layer(nnx.Module):
         )
         dt = jnp.exp(
             jax.random.uniform(
-                rngs.params(), (Hg * dk,), jnp.float32, math.log(dt_min), math.log(dt_max)
+                rngs.params(), (Hg if scalar_decay else Hg * dk,), jnp.float32,
+                math.log(dt_min), math.log(dt_max),
             )
-        )
+        )  # fmt: skip
         self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))  # inverse softplus
         self.o_norm = GatedRMSNorm(dv, eps=norm_eps)
+
+    def raw_gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The operator's raw ``(w, b, g)`` of ``x`` ``(..., d_model)``: ``(..., HV, dv)``,
+        ``(..., Hg, dk)``, ``(..., Hg, dk)`` (the operator applies the activations,
+        :meth:`fused_options`); KDA's and GDN's per-head scalars broadcast to those shapes (w of
+        a value head from its key head's beta when ``Hg = H``)."""
+        lead = x.shape[:-1]
+        HV, Hg, dk, dv = self.num_v_heads, self.gate_heads, self.dk, self.dv
+        f = self.f_proj(x)
+        if self.variant == "gdn2":
+            w = self.w_proj(x).reshape(*lead, HV, dv)
+            return w, self.b_proj(x).reshape(*lead, Hg, dk), f.reshape(*lead, Hg, dk)
+        beta = self.b_proj(x).reshape(*lead, Hg)  # [..., Hg] one beta erases and writes
+        b = jnp.broadcast_to(beta[..., None], (*lead, Hg, dk))
+        beta_v = beta if Hg == HV else jnp.repeat(beta, HV // Hg, axis=-1)  # value head j: j // G
+        w = jnp.broadcast_to(beta_v[..., None], (*lead, HV, dv))
+        g = f.reshape(*lead, Hg, 1 if self.variant == "gdn" else dk)
+        return w, b, jnp.broadcast_to(g, (*lead, Hg, dk))
 
     def gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The gates of the operator.
@@ -338,25 +377,26 @@ class GDN2Layer(nnx.Module):
             (``Hg``: HV, or H with ``key_head_gates``). The layer's call does not use them: it
             passes the raw projections and has the operator apply these activations.
         """
-        B, T, _ = x.shape
-        H = self.gate_heads
-        w = jax.nn.sigmoid(self.w_proj(x)).reshape(B, T, self.num_v_heads, self.dv)
-        b = jax.nn.sigmoid(self.b_proj(x)).reshape(B, T, H, self.dk)
+        w, b, f = self.raw_gates(x)
+        w, b = jax.nn.sigmoid(w), jax.nn.sigmoid(b)
         if self.lift_b:
             b = 2.0 * b
-        f = self.f_proj(x).astype(jnp.float32) + self.dt_bias[...]
-        g = -jnp.exp(self.A_log[...])[:, None] * jax.nn.softplus(f.reshape(B, T, H, self.dk))
+        f = f.astype(jnp.float32) + self.fused_options()["dt_bias"]
+        g = -jnp.exp(self.A_log[...])[:, None] * jax.nn.softplus(f)
         return w, b, g.astype(x.dtype)
 
     def fused_options(self) -> dict:
         """The operator's fused-activation keywords of this layer: L2 norm of q, k, the sigmoids of
         b (``2 * sigmoid`` with ``lift_b``) and w, and the softplus decay gate with ``A_log`` and
-        ``dt_bias`` reshaped to ``(Hg, dk)``."""
+        ``dt_bias`` as ``(Hg, dk)`` (GDN's one bias per head broadcast over dk)."""
+        dt_bias = self.dt_bias[...]
+        if self.variant == "gdn":
+            dt_bias = jnp.broadcast_to(dt_bias[:, None], (self.gate_heads, self.dk))
         return dict(
             use_qk_l2norm_in_kernel=True,
             use_gate_in_kernel=True,
             A_log=self.A_log[...],
-            dt_bias=self.dt_bias[...].reshape(self.gate_heads, self.dk),
+            dt_bias=dt_bias.reshape(self.gate_heads, self.dk),
             use_bw_sigmoid_in_kernel=True,
             allow_neg_eigval=self.lift_b,
         )
@@ -513,7 +553,7 @@ class GDN2Layer(nnx.Module):
         and, with a cache, the new convolution states."""
         B, T, _ = x.shape
         H, dk, dv = self.num_heads, self.dk, self.dv
-        HV, Hg = self.num_v_heads, self.gate_heads
+        HV = self.num_v_heads
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         convs = (None, None, None)
         if self.q_conv is not None:
@@ -533,9 +573,7 @@ class GDN2Layer(nnx.Module):
         q = q.reshape(B, T, H, dk)  # raw: the operator normalises q and k
         k = k.reshape(B, T, H, dk)
         v = v.reshape(B, T, HV, dv)
-        w = self.w_proj(x).reshape(B, T, HV, dv)  # raw: the operator applies the sigmoids
-        b = self.b_proj(x).reshape(B, T, Hg, dk)
-        g = self.f_proj(x).reshape(B, T, Hg, dk)  # raw: the operator applies the decay gate
+        w, b, g = self.raw_gates(x)  # raw: the operator applies the sigmoids and the decay gate
         return (q, k, v, w, b, g), convs
 
     def _output(self, x: jax.Array, o: jax.Array) -> jax.Array:

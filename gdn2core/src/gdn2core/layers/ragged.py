@@ -153,10 +153,9 @@ def ragged_call(
     _check(layer, x, cache)
     x = jnp.asarray(x).astype(layer.dtype)
     t = x.shape[0]
-    H, HV, Hg, dk, dv = layer.num_heads, layer.num_v_heads, layer.gate_heads, layer.dk, layer.dv
+    H, HV, dk, dv = layer.num_heads, layer.num_v_heads, layer.dk, layer.dv
     qkv = [layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)]  # [T, channels], before the convs
-    w = layer.w_proj(x).reshape(t, HV, dv)  # raw: the operator applies the activations
-    b, g = layer.b_proj(x).reshape(t, Hg, dk), layer.f_proj(x).reshape(t, Hg, dk)
+    w, b, g = layer.raw_gates(x)  # raw: the operator applies the activations
     shapes = ((t, H, dk), (t, H, dk), (t, HV, dv))
     meta = dict(
         cu_seqlens=cu_seqlens, state_indices=state_indices, has_initial_state=has_initial_state,
