@@ -79,6 +79,8 @@ test-tpu-compile: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/minimal_usage.py
 	$(PY) examples/train_mqar.py
+	$(PY) examples/train_mqar.py --variant kda
+	$(PY) examples/train_mqar.py --variant gdn
 
 bench: $(STAMP)
 	$(VENV)/bin/gdn2 bench
