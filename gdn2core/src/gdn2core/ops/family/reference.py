@@ -76,8 +76,21 @@ def naive_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None,
                         output_final_state=False, use_qk_l2norm_in_kernel=False,
                         use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                         allow_neg_eigval=False, lower_bound=None, A_log=None, dt_bias=None):  # fmt: skip
-    """KDA token by token: ``g`` ``(B, T, Hg, dk)``, ``beta`` ``(B, T, Hg)``, ``dt_bias``
-    ``(Hg * dk,)`` or ``(Hg, dk)``; returns ``(o float32, final state or None)``."""
+    """KDA token by token.
+
+    Args:
+        q, k: ``(B, T, H, dk)``; v ``(B, T, HV, dv)``.
+        g: ``(B, T, Hg, dk)`` log decay, or the raw gate with ``use_gate_in_kernel``.
+        beta: ``(B, T, Hg)``; raw with ``use_beta_sigmoid_in_kernel``.
+        scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound: fla's meaning
+            (:func:`gdn2core.chunk_kda`).
+        A_log: ``(Hg,)``; dt_bias: ``(Hg * dk,)`` or ``(Hg, dk)``, or None.
+
+    Returns:
+        ``(o, final_state)``: o float32 ``(B, T, HV, dv)``; the state, or None unless
+        ``output_final_state``.
+    """
     if dt_bias is not None:
         dt_bias = dt_bias.reshape(g.shape[2], g.shape[3])
     return _family(q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -89,8 +102,20 @@ def naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
                                      output_final_state=False, use_qk_l2norm_in_kernel=False,
                                      use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                                      allow_neg_eigval=False, A_log=None, dt_bias=None):  # fmt: skip
-    """GDN token by token: ``g`` and ``beta`` ``(B, T, Hg)``, ``A_log`` and ``dt_bias``
-    ``(Hg,)``; returns ``(o float32, final state or None)``."""
+    """GDN token by token.
+
+    Args:
+        q, k: ``(B, T, H, dk)``; v ``(B, T, HV, dv)``.
+        g: ``(B, T, Hg)`` log decay per head, or the raw gate with ``use_gate_in_kernel``.
+        beta: ``(B, T, Hg)``; raw with ``use_beta_sigmoid_in_kernel``.
+        scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel, allow_neg_eigval: fla's meaning
+            (:func:`gdn2core.chunk_gated_delta_rule`).
+        A_log, dt_bias: ``(Hg,)`` each, or None.
+
+    Returns:
+        ``(o, final_state)`` as :func:`naive_recurrent_kda`.
+    """
     return _family(q, k, v, g, beta, scale, initial_state, output_final_state,
                    use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                    allow_neg_eigval, None, A_log, dt_bias, scalar_gate=True)  # fmt: skip
