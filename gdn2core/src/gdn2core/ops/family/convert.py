@@ -21,6 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from gdn2core.checks import expect_shape
+
 #: fla keywords accepted without an effect on the result (performance and memory hints of fla's
 #: kernels; ``safe_gate`` promises ``g >= lower_bound``, which the GDN-2 kernels do not need to be
 #: exact, and ``cu_seqlens_cpu`` is fla's host copy of ``cu_seqlens``).
@@ -45,12 +47,6 @@ class FamilyCall:
     keywords: dict[str, Any]
     state_v_first: bool
     output_final_state: bool
-
-
-def _shape(name: str, x: Any, expected: tuple, what: str) -> None:
-    shape = tuple(getattr(x, "shape", ()))
-    if shape != expected:
-        raise ValueError(f"{name}: expected shape {what} = {expected}, got {shape}")
 
 
 def convert(op: str, q, k, v, g, beta, *, scalar_gate: bool, scale, initial_state,
@@ -107,11 +103,11 @@ def convert(op: str, q, k, v, g, beta, *, scalar_gate: bool, scale, initial_stat
     if Hg not in (H, HV):
         raise ValueError(f"beta: expected shape (B, T, Hg) with Hg = H = {H} or HV = {HV}, got "
                          f"{tuple(beta.shape)}")  # fmt: skip
-    _shape("beta", beta, (B, T, Hg), "(B, T, Hg)")
+    expect_shape("beta", beta.shape, (B, T, Hg), "(B, T, Hg)")
     if scalar_gate:
-        _shape("g", g, (B, T, Hg), "(B, T, Hg) as beta")
+        expect_shape("g", g.shape, (B, T, Hg), "(B, T, Hg) as beta")
     else:
-        _shape("g", g, (B, T, Hg, dk), "(B, T, Hg, dk) as beta")
+        expect_shape("g", g.shape, (B, T, Hg, dk), "(B, T, Hg, dk) as beta")
 
     if use_beta_sigmoid_in_kernel:  # on the scalar beta: one beta erases and writes
         acc = jnp.promote_types(beta.dtype, jnp.float32)  # the state dtype
@@ -133,10 +129,10 @@ def convert(op: str, q, k, v, g, beta, *, scalar_gate: bool, scale, initial_stat
         keywords.update(use_gate_in_kernel=True, A_log=A_log)
         if dt_bias is not None:
             if scalar_gate:  # GDN: one bias per head, the same on every key channel
-                _shape("dt_bias", dt_bias, (Hg,), "(Hg,)")
+                expect_shape("dt_bias", dt_bias.shape, (Hg,), "(Hg,)")
                 dt_bias = jnp.broadcast_to(dt_bias[:, None], (Hg, dk))
             elif dt_bias.ndim == 1:  # fla lays KDA's out flat, (Hg * dk,)
-                _shape("dt_bias", dt_bias, (Hg * dk,), "(Hg * dk,)")
+                expect_shape("dt_bias", dt_bias.shape, (Hg * dk,), "(Hg * dk,)")
                 dt_bias = dt_bias.reshape(Hg, dk)
             keywords["dt_bias"] = dt_bias
         if lower_bound is not None:
