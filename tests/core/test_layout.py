@@ -173,9 +173,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("features.segments", "features.activations", "features.pooled"),
     # 2. the ops' specs
     ("ops.forward.spec", "ops.decode.spec", "ops.ragged.spec"),
-    # 3. grouped value heads and the references
+    # 3. grouped value heads, scalar gates and the references
     (
         "features.gva",
+        "features.scalar_gates",
         "ops.forward.reference",
         "ops.decode.reference",
         "ops.ragged.reference",

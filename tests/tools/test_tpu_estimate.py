@@ -136,3 +136,24 @@ def test_what_the_profiler_prices_at_zero_is_priced_by_bytes(monkeypatch, capsys
     assert row.kernel_bytes == {"gdn2_fwd": 163_800_000}
     assert any("priced here by their HBM bytes: 81.9 MB, 0.100 ms" in n for n in row.notes)
     assert any("kernel gdn2_fwd: its HBM bytes take 0.200 ms" in n for n in row.notes)
+
+
+def test_scalar_gates_roofline_counts_one_value_per_head_and_token():
+    """GDN's scalar gates (w, b, g) move 1 value per head and token instead of V, K, K: the
+    forward's HBM bound drops by B T H (V - 1 + 2 (K - 1)) 2 bytes; the same op on the gates
+    broadcast in XLA has the same bound (the op's minimum)."""
+    gdn = Program(**{**PROGRAM.__dict__, "gates": "gdn"})
+    wide = Program(**{**PROGRAM.__dict__, "gates": "gdn-broadcast"})
+    saved = 8 * 4096 * 6 * (127 + 2 * 127) * 2 / 819e9 * 1e3
+    full = tpu_estimate.roofline_ms(PROGRAM, "v5e", 64)
+    assert full - tpu_estimate.roofline_ms(gdn, "v5e", 64) == pytest.approx(saved, rel=1e-9)
+    assert tpu_estimate.roofline_ms(wide, "v5e", 64) == tpu_estimate.roofline_ms(gdn, "v5e", 64)
+
+
+def test_rows_say_how_the_gates_came_and_the_program_bytes(monkeypatch, capsys):
+    row = _row(monkeypatch, [(512, 1), (1024, 2), (2048, 4)], 0.0)
+    row.program = Program(**{**PROGRAM.__dict__, "gates": "kda-broadcast"})
+    tpu_estimate.print_row(row)
+    out = capsys.readouterr().out
+    assert "pallas_tpu forward [KDA's scalar gates broadcast in XLA before the op]: 1.000 ms" in out
+    assert "; HBM 81.9 MB in all" in out

@@ -24,7 +24,12 @@ class ReferenceBackend(Backend):
     name = "token_serial"
     priority = 0
     capabilities = Capabilities(
-        auto=False, segments=True, varlen=True, fused_activations=True, decode=True
+        auto=False,
+        segments=True,
+        varlen=True,
+        fused_activations=True,
+        decode=True,
+        scalar_gates=True,
     )
 
     def __init__(

@@ -91,6 +91,19 @@ def _beta_gates(target: Target, scalar_decay: bool, decay: Decay, seed: int):
     return x, beta, g, o, h
 
 
+def _scalar_gate_inputs(target: Target, scalar_decay: bool, seed: int) -> Inputs:
+    """Inputs whose ``b = w = beta`` are ``(B, T, H)`` scalar gates (as ``chunk_kda`` passes
+    them), and with ``scalar_decay`` also ``g`` (``chunk_gated_delta_rule``)."""
+    dk, dv = target.head_sizes[0]
+    bt = target.config.bt
+    case = Case(B=2, T=2 * bt + 5, H=2, dk=dk, dv=dv, decay=Decay.MIXED, seed=seed)
+    x = make_inputs(case)
+    rng = np.random.default_rng(seed + 200)
+    beta = jnp.asarray(rng.uniform(0.05, 1.0, (case.B, case.T, case.H)), x.b.dtype)
+    g = x.g[..., 0] if scalar_decay else x.g  # [B, T, H]: one decay per head and token
+    return dataclasses.replace(x, w=beta, b=beta, g=g)
+
+
 #: Where :meth:`ConformanceSuite.test_forget_gates` sets g to "forget" (-inf, or below float32's
 #: exp underflow): some channels of one token, every channel of a token in one head, a run of
 #: three tokens on one channel, the first token, and the last token (T is no multiple of the
@@ -186,6 +199,28 @@ class ConformanceSuite(FeatureTests, DecodeTests):
         o_np, h_np = gated_deltanet_numpy_loop(x.q, x.k, x.v, g[..., 0], beta, 0.5, x.h0)
         assert_close("o", o, o_np, "float32")
         assert_close("h_final", h, h_np, "float32")
+
+    @capability(Feature.FORWARD)
+    def test_scalar_gates(self, gdn2_target: Target):
+        """b, w as ``(B, T, H)`` scalar gates (KDA), and g too (GDN): the NumPy KDA and GDN loops'
+        o and h_final. A backend that declares ``Capabilities.scalar_gates`` reads them itself;
+        any other gets them broadcast by the core."""
+        for scalar_decay, loop in ((False, kda_numpy_loop), (True, gated_deltanet_numpy_loop)):
+            x = _scalar_gate_inputs(gdn2_target, scalar_decay, 23)
+            o, h = gdn2_forward(
+                *x.args, 0.5, x.h0, config=gdn2_target.config, backend=gdn2_target.backend
+            )
+            o_np, h_np = loop(x.q, x.k, x.v, x.g, x.b, 0.5, x.h0)
+            assert_close("o", o, o_np, "float32")
+            assert_close("h_final", h, h_np, "float32")
+
+    @capability(Feature.TRAINABLE)
+    def test_scalar_gates_gradients(self, gdn2_target: Target):
+        """The same calls' seven gradients as the reference's: a scalar gate's is the sum over
+        its channels (the reference's autodiff through its broadcast)."""
+        for scalar_decay in (False, True):
+            _check_grads(gdn2_target, _scalar_gate_inputs(gdn2_target, scalar_decay, 24),
+                         "float32")  # fmt: skip
 
     @capability(Feature.VMAP)
     def test_jit_vmap_grad(self, gdn2_target: Target):

@@ -56,6 +56,10 @@ class Capabilities(BaseModel):
             that continue the state of the one before; the ragged op's one-pass path).
         pooled: whether it implements :meth:`Backend.forward_pooled` (the ragged op's packed
             requests read and write the pool's slots themselves).
+        scalar_gates: its array methods take the gates ``spec.scalar_gates`` names as one value
+            per head and token (b, g ``(B, T, H)``, w ``(B, T, H)``), and return their gradients
+            in that shape; otherwise the core broadcasts them to their channels first
+            (``gdn2core.features.scalar_gates``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -74,6 +78,7 @@ class Capabilities(BaseModel):
     chunk_states: bool = False
     continued: bool = False
     pooled: bool = False
+    scalar_gates: bool = False
 
     def view(self, spec: OpSpec) -> OpSpec:
         """The spec this backend sees for a call of ``spec``: grouped value heads resolved
@@ -152,6 +157,7 @@ class Capabilities(BaseModel):
                 ("segment_ids", self.segments),
                 ("cu_seqlens", self.varlen),
                 ("fused activations", self.fused_activations),
+                ("scalar gates", self.scalar_gates),
             )
             if on
         ]
@@ -194,7 +200,9 @@ class Backend(abc.ABC):
     sees ``spec.value_heads == spec.gate_heads == spec.heads``). With packed sequences
     (``Capabilities.segments`` / ``varlen``) or fused activations (``fused_activations``) the core
     passes ``extras=`` (an :class:`~gdn2core.options.OpExtras`); with ``cu_seqlens``, B = 1 and h0,
-    h_final are ``(N, H, dk, dv)``. A plain call never passes ``extras``, so a backend written
+    h_final are ``(N, H, dk, dv)``. With ``Capabilities.scalar_gates``, the gates that
+    ``spec.scalar_gates`` names come without their channel axis, ``(B, T, H)``. A plain call never
+    passes ``extras``, so a backend written
     without it keeps working for plain calls.
     """
 

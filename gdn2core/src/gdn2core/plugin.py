@@ -23,6 +23,8 @@ token's sequence, start and end under ``cu_seqlens``).
 
 Helpers for the array methods: :func:`state_dtype` (the accumulation dtype), :func:`probe` (the
 ``GDN2_FWD_DIAG`` diagnostics), :func:`default_platform`, :func:`is_tpu_available`, :func:`device_memory_bytes`, and the
+scalar gates broadcast to their channels (:func:`broadcast_gates`, for a backend with
+``Capabilities.scalar_gates`` on a path of its own that takes only the full gates), the
 token-serial references :func:`gdn2_token_serial_reference` and :func:`gdn2_decode_reference`; a
 decode op receives a :class:`DecodeSpec`, and :func:`sanitize_slots` is the core's rule for the slots
 it is given (out of range or repeated: skipped), for a ``decode`` that may be called directly.
@@ -33,6 +35,7 @@ from gdn2core.checks import state_dtype
 from gdn2core.config import KernelConfig
 from gdn2core.diagnostics import probe
 from gdn2core.features.pooled import FROM_NAN, FROM_ZEROS, PoolRequests
+from gdn2core.features.scalar_gates import broadcast_gates
 from gdn2core.features.segments import segment_starts, varlen_layout
 from gdn2core.hooks import BACKENDS_GROUP, TOOLS_GROUP, Command, KernelCost, hookimpl
 from gdn2core.ops.decode.reference import gdn2_decode_reference
@@ -62,6 +65,7 @@ __all__ = [
     "PoolRequests",
     "SegmentMode",
     "Verdict",
+    "broadcast_gates",
     "default_platform",
     "device_memory_bytes",
     "gdn2_decode_reference",

@@ -76,6 +76,8 @@ class Program:
     pool_dtype: str = "float32"
     segments: bool = False  # forward/train: with segment_ids (packed sequences)
     gate: str = ""  # forward/train: the fused gate, "softplus" or a lower bound ("-5"); "" none
+    gates: str = ""  # forward/train: scalar gates as KDA ("kda": b, w) or GDN ("gdn": b, w, g)
+    #   call the op (gdn2_tools.tpu.SCALAR_GATES); "" the per-channel gates of GDN-2
 
     def at(self, B: int, T: int) -> Program:
         return dataclasses.replace(self, B=B, T=T)
@@ -394,6 +396,7 @@ def _child_main(argv: Sequence[str]) -> int:
             program.backend, TOPOLOGIES[tpu], program.mode,
             program.B, program.T, program.H, program.dk, program.dv, program.dtype, config,
             segments=program.segments, value_heads=program.value_heads, gate=program.gate,
+            gates=program.gates,
         )  # fmt: skip
     hlo = compiled.as_text()
     with open(os.path.join(work, "hlo.txt"), "w") as f:

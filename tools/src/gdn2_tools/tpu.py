@@ -63,6 +63,24 @@ def compile_for_tpu(fn, *args: Any, donate_argnums: tuple[int, ...] = ()):
     return jitted.trace(*args).lower(lowering_platforms=("tpu",)).compile()
 
 
+#: The gates a family op passes as one value per head and token (``--gates``): KDA's beta as the
+#: erase and write gates, GDN's beta and decay; ``"...-broadcast"``: the same inputs broadcast to
+#: their channels in XLA before the op (what the op costs a backend that takes only full gates).
+SCALAR_GATES: Final = {
+    "": (),
+    "kda": ("w", "b"),
+    "gdn": ("w", "b", "g"),
+    "kda-broadcast": ("w", "b"),
+    "gdn-broadcast": ("w", "b", "g"),
+}
+
+
+def _broadcast_gates(w, b, g, dk: int, dv: int):
+    """Scalar gates ``(B, T, H)`` broadcast to ``(B, T, H, d)`` (full gates pass as they are)."""
+    wide = lambda x, d: x if x.ndim == 4 else jnp.broadcast_to(x[..., None], (*x.shape, d))  # noqa: E731
+    return wide(w, dv), wide(b, dk), wide(g, dk)
+
+
 def gate_keywords(gate: str, H: int, dk: int) -> dict:
     """The op's keywords of a fused gate on ``H`` heads: ``""`` none; ``"softplus"``
     (``use_gate_in_kernel`` with ``A_log``, ``dt_bias``); a number, the lower-bound gate with
@@ -91,6 +109,7 @@ def compile_op(
     segments: bool = False,
     value_heads: int = 0,
     gate: str = "",
+    gates: str = "",
 ):
     """Compile one backend's forward, or its train step, for a TPU topology.
 
@@ -109,6 +128,10 @@ def compile_op(
             (q, k, b, g keep ``H``); 0: ``H``.
         gate: the gate fused in the op (:func:`gate_keywords`): ``""`` none, ``"softplus"``, or
             a lower bound such as ``"-5"`` (the lower-bound gate).
+        gates: ``"kda"`` or ``"gdn"``: the gates :data:`SCALAR_GATES` names are ``(B, T, H)``
+            scalar gates, as ``chunk_kda`` / ``chunk_gated_delta_rule`` pass them; with
+            ``"-broadcast"`` the program broadcasts them in XLA before the op; ``""``: all per
+            channel.
 
     Returns:
         The compiled executable.
@@ -116,18 +139,23 @@ def compile_op(
     from gdn2_tools.train_step import input_specs, train_step
 
     mesh = topology_mesh(topology)
-    specs = input_specs(mesh, B, T, H, dk, dv, dtype=jnp.dtype(dtype))
+    scalar = SCALAR_GATES[gates]
+    specs = input_specs(mesh, B, T, H, dk, dv, dtype=jnp.dtype(dtype), scalar_gates=scalar)
     if value_heads and value_heads != H:  # v, w, h0, do, dh on the value heads
-        grouped = input_specs(mesh, B, T, value_heads, dk, dv, dtype=jnp.dtype(dtype))
+        grouped = input_specs(mesh, B, T, value_heads, dk, dv, dtype=jnp.dtype(dtype),
+                              scalar_gates=scalar)  # fmt: skip
         specs = tuple(grouped[i] if i in (2, 3, 6, 7, 8) else x for i, x in enumerate(specs))
     replicated = NamedSharding(mesh, PartitionSpec())
     extra = (jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=replicated),) if segments else ()
     fused = gate_keywords(gate, H, dk)
+    widen = gates.endswith("-broadcast")
     if mode in ("forward", "chunk-states"):
         more = {"return_chunk_states": True} if mode == "chunk-states" else {}
         more.update(fused)
 
         def fwd(q, k, v, w, b, g, h0, segment_ids=None):
+            if widen:
+                w, b, g = _broadcast_gates(w, b, g, dk, dv)
             return gdn2_forward(q, k, v, w, b, g, h0=h0, segment_ids=segment_ids, config=config,
                                 backend=backend, **more)  # fmt: skip
 
@@ -137,9 +165,11 @@ def compile_op(
 
     def step(*args):
         segment_ids = args[9] if segments else None
-        return train_step(backend=backend, config=config, segment_ids=segment_ids, **fused)(
-            *args[:9]
-        )
+        # with widen, the gates' gradients flow back through their broadcast
+        gates_in = functools.partial(_broadcast_gates, dk=dk, dv=dv) if widen else None
+        run = train_step(gates=gates_in, backend=backend, config=config, segment_ids=segment_ids,
+                         **fused)  # fmt: skip
+        return run(*args[:9])
 
     return compile_for_tpu(step, *specs, *extra)
 

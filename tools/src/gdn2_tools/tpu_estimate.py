@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from gdn2_tools.static_profile import LABEL, Estimate, Program, estimate, estimate_fit
+from gdn2_tools.tpu import SCALAR_GATES
 
 #: bf16 matmul FLOP/s and HBM bytes/s per chip.
 PEAKS: Final = {"v5e": (197e12, 819e9), "v6e": (918e12, 1640e9)}
@@ -51,14 +52,17 @@ def roofline_ms(program: Program, tpu: str, C: int) -> float:
     states = program.B * heads * K * V * 4
     fwd_flops = 6 * C * K + 4 * C * V + C * C / 3 + 6 * K * V
     bwd_flops = 12 * C * K + 8 * C * V + 12 * K * V + 6 * C * K + 2 * C * V + C * C / 3 + 4 * K * V
-    fwd_bytes = tokens * (4 * K + 3 * V) * s + 2 * states
+    # a scalar gate moves one value per head and token, not K or V (its gradient likewise)
+    scalar = sum({"w": V, "b": K, "g": K}[n] - 1 for n in SCALAR_GATES[program.gates])
+    fwd_bytes = tokens * (4 * K + 3 * V - scalar) * s + 2 * states
     if program.mode == "chunk-states":  # and the float32 state entering every chunk
         fwd_bytes += -(-program.T // C) * states
     fwd = max(tokens * fwd_flops / flops_peak, fwd_bytes / bandwidth)
     if program.mode in ("forward", "chunk-states"):
         return fwd * 1e3
     bwd = max(
-        tokens * bwd_flops / flops_peak, (tokens * (8 * K + 5 * V) * s + 3 * states) / bandwidth
+        tokens * bwd_flops / flops_peak,
+        (tokens * (8 * K + 5 * V - 2 * scalar) * s + 3 * states) / bandwidth,
     )
     return (fwd + bwd) * 1e3
 
@@ -84,6 +88,8 @@ class Row:
     #   (fit points, largest relative residual)
     kernel_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # kernel name -> HBM
     #   bytes (its CostEstimate)
+    hbm_bytes: int = 0  # the whole program's: every op's operands and results (XLA ops) or its
+    #   CostEstimate (kernels), times its runs
 
 
 def row_of(program: Program, tpu: str, C: int) -> Row:
@@ -130,9 +136,10 @@ def row_of(program: Program, tpu: str, C: int) -> Row:
     if program.value_heads and program.value_heads != program.H:
         notes.append(f"roofline: the plain call on {program.value_heads} heads (no sharing)")
     temp = e.temp_bytes / 2**20 if e.temp_bytes is not None else None
+    total_bytes = sum(e.op_bytes.get(op.name, 0) * op.runs for op in e.ops)
     return Row(
         program, tpu, e.ms() + added_ms, roofline_ms(program, tpu, C),
-        e.trustworthy and not bad_fits, temp, kernels, notes, fits, kernel_bytes,
+        e.trustworthy and not bad_fits, temp, kernels, notes, fits, kernel_bytes, total_bytes,
     )  # fmt: skip
 
 
@@ -140,9 +147,13 @@ def print_row(row: Row, reference: Row | None = None, forward: Row | None = None
     """One row; ``reference``: jax_ref's row of the same mode; ``forward``: the backend's forward
     row (for the chunk-states mode)."""
     p = row.program
+    gates = ""
+    if p.gates:
+        how = " broadcast in XLA before the op" if p.gates.endswith("-broadcast") else ""
+        gates = f" [{p.gates.split('-')[0].upper()}'s scalar gates{how}]"
     print(
-        f"  {p.backend} {p.mode}: {row.ms:.3f} ms estimated ({row.ms / row.roofline_ms:.1f}x the "
-        f"roofline {row.roofline_ms:.3f} ms)"
+        f"  {p.backend} {p.mode}{gates}: {row.ms:.3f} ms estimated "
+        f"({row.ms / row.roofline_ms:.1f}x the roofline {row.roofline_ms:.3f} ms)"
         + (
             f"; {reference.ms / row.ms:.1f}x faster than {reference.program.backend}"
             if reference
@@ -150,6 +161,7 @@ def print_row(row: Row, reference: Row | None = None, forward: Row | None = None
         )
         + (f"; {row.ms / forward.ms:.3f}x its forward" if forward else "")
         + (f"; temp HBM {row.temp_mib:.1f} MiB" if row.temp_mib is not None else "")
+        + (f"; HBM {row.hbm_bytes / 1e6:.1f} MB in all" if row.hbm_bytes else "")
     )
     bandwidth = PEAKS[row.tpu][1]
     for name, ms in sorted(row.kernels.items(), key=lambda kv: -kv[1]):
@@ -170,7 +182,8 @@ def print_row(row: Row, reference: Row | None = None, forward: Row | None = None
 def estimate_main(args, config) -> int:
     """One shape, one generation: the Pallas backend (or ``--backend``) and jax_ref, train step,
     forward and, for the backends that declare chunk states, the forward with
-    ``return_chunk_states=True``."""
+    ``return_chunk_states=True``. With ``--gates kda|gdn``, also the backend on the same gates
+    broadcast in XLA (what a backend that takes only full gates costs)."""
     from gdn2core import get_backend
 
     print(f"gdn2 tpu-report --estimate: {LABEL}")
@@ -182,22 +195,27 @@ def estimate_main(args, config) -> int:
             if mode != "chunk-states"
             or (get_backend(name).capabilities.chunk_states and not args.segment_ids)
         ]  # fmt: skip
-        for name in chosen:
+        variants = [(name, args.gates) for name in chosen]
+        if args.gates and not args.gates.endswith("-broadcast"):  # the same, broadcast in XLA
+            variants.insert(1, (chosen[0], args.gates + "-broadcast"))
+        for name, gates in variants:
             program = Program(name, mode, args.batch, args.seq_len, args.heads, args.dk, args.dv,
                               args.dtype, args.config, value_heads=args.value_heads,
-                              segments=args.segment_ids, gate=args.gate)  # fmt: skip
-            rows[name, mode] = row_of(program, args.tpu, config.bt)
+                              segments=args.segment_ids, gate=args.gate,
+                              gates=gates)  # fmt: skip
+            rows[name, gates, mode] = row_of(program, args.tpu, config.bt)
         packed = (
             (f", HV={args.value_heads}" if args.value_heads else "")
             + (", segment_ids" if args.segment_ids else "")
             + (f", gate {args.gate}" if args.gate else "")
+            + (f", scalar gates as {args.gates.upper()}" if args.gates else "")
         )
         print(f"\n{mode} (B={args.batch} T={args.seq_len} H={args.heads} dk={args.dk} dv={args.dv} "
               f"{args.dtype}, {args.tpu}{packed})")  # fmt: skip
-        ref = rows.get((XLA_ONLY[0], mode))
-        for name in chosen:
-            fwd = rows[name, "forward"] if mode == "chunk-states" else None
-            print_row(rows[name, mode], ref if name not in XLA_ONLY else None, fwd)
+        ref = rows.get((XLA_ONLY[0], args.gates, mode))
+        for name, gates in variants:
+            fwd = rows[name, gates, "forward"] if mode == "chunk-states" else None
+            print_row(rows[name, gates, mode], ref if name not in XLA_ONLY else None, fwd)
     return 0 if all(r.trustworthy for r in rows.values()) else 1
 
 

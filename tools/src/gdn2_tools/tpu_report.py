@@ -87,6 +87,15 @@ def _parser() -> argparse.ArgumentParser:
         "path); default: none",
     )
     p.add_argument(
+        "--gates",
+        default="",
+        choices=("", "kda", "gdn", "kda-broadcast", "gdn-broadcast"),
+        help="with --estimate: the scalar gates of a family op, one value per head and token: "
+        "'kda' (beta as b and w, chunk_kda) or 'gdn' (beta and the decay, "
+        "chunk_gated_delta_rule), each also broadcast in XLA before the op for comparison; "
+        "'...-broadcast' only that; default: GDN-2's per-channel gates",
+    )
+    p.add_argument(
         "--table",
         metavar="OUT.md",
         help="write the table of estimates of docs/results.md (train and long shapes, v5e and v6e, bf16 and "
@@ -98,8 +107,8 @@ def _parser() -> argparse.ArgumentParser:
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p = _parser()
     args = p.parse_args(list(argv))
-    if (args.segment_ids or args.value_heads or args.gate) and not args.estimate:
-        p.error("--segment-ids, --value-heads and --gate apply to --estimate only")
+    if (args.segment_ids or args.value_heads or args.gate or args.gates) and not args.estimate:
+        p.error("--segment-ids, --value-heads, --gate and --gates apply to --estimate only")
     if args.gate not in ("", "softplus"):
         try:
             bound = float(args.gate)

@@ -3,6 +3,7 @@ be wrapped in ``jax.jit``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -13,10 +14,13 @@ from gdn2_conformance.checks import cotangent_loss
 from gdn2core.ops.forward.api import gdn2_forward_trainable
 
 
-def train_step(**op_kwargs: Any):
+def train_step(*, gates: Callable | None = None, **op_kwargs: Any):
     """``step(q, k, v, w, b, g, h0, do, dh) -> (loss, (o, h_final), grads)``.
 
     Args:
+        gates: ``(w, b, g) -> (w, b, g)`` applied inside the differentiated function before the
+            op (e.g. scalar gates broadcast in XLA: their gradients then flow back through it);
+            None: the gates go to the op as they are.
         **op_kwargs: keywords of :func:`gdn2core.gdn2_forward_trainable` (``backend``,
             ``config``, ``mesh``, ``batch_axes``, ``head_axes``, ``context_axis``, ``scale``).
 
@@ -26,6 +30,8 @@ def train_step(**op_kwargs: Any):
     """
 
     def loss(q, k, v, w, b, g, h0, do, dh):
+        if gates is not None:
+            w, b, g = gates(w, b, g)
         o, h = gdn2_forward_trainable(q, k, v, w, b, g, h0=h0, **op_kwargs)
         return cotangent_loss(o, h, do, dh), (o, h)
 
@@ -50,6 +56,7 @@ def input_specs(
     batch_axes: Any = None,
     head_axes: Any = None,
     context_axis: str | None = None,
+    scalar_gates: tuple[str, ...] = (),
 ) -> tuple[jax.ShapeDtypeStruct, ...]:
     """``ShapeDtypeStruct`` of ``(q, k, v, w, b, g, h0, do, dh)`` with their ``NamedSharding``.
 
@@ -59,6 +66,8 @@ def input_specs(
         dtype: the input dtype (h0, dh are float32; do is float32).
         batch_axes, head_axes, context_axis: mesh axes sharding batch, heads and time (None or
             ``()``: replicated).
+        scalar_gates: the gates (of ``"w"``, ``"b"``, ``"g"``) given as ``(B, T, H)`` scalar
+            gates, one value per head and token.
 
     Returns:
         The nine specs.
@@ -75,4 +84,9 @@ def input_specs(
     val = jax.ShapeDtypeStruct((B, T, H, dv), dtype, sharding=tok)
     state = jax.ShapeDtypeStruct((B, H, dk, dv), jnp.float32, sharding=st)
     dout = jax.ShapeDtypeStruct((B, T, H, dv), jnp.float32, sharding=tok)
-    return (key, key, val, val, key, key, state, dout, state)
+    per_token = NamedSharding(
+        mesh, PartitionSpec(entry(batch_axes), context_axis, entry(head_axes))
+    )
+    scalar = jax.ShapeDtypeStruct((B, T, H), dtype, sharding=per_token)
+    w, b, g = (scalar if n in scalar_gates else x for n, x in (("w", val), ("b", key), ("g", key)))
+    return (key, key, val, w, b, g, state, dout, state)

@@ -12,6 +12,10 @@
   activations and q/k L2 norm applied inside the kernels (activations.py).
 - ``decode``: the decode kernel (kernels_decode.py) for S up to 128 tokens per call, a float32 or
   bfloat16 pool (``supports_decode``: decode_plan.py).
+- Scalar gates (``Capabilities.scalar_gates``, KDA's and GDN's beta and decay): the forward and
+  backward kernels read a ``(B, T, H)`` gate as ``(hb, nc C)`` float32 blocks, tokens in the lanes,
+  and broadcast it over the channels in VMEM; its gradient leaves summed over them (blocks.py).
+  The ``cu_seqlens`` row is built from full gates (broadcast here).
 - ``forward_chunk_states``: the inference forward kernel, also writing the state entering every
   chunk (``return_chunk_states``, prefix caching) as a blocked output of the kernel.
 - ``forward_pooled``: the ragged op's requests after its decodes on the forward kernel, which
@@ -53,6 +57,7 @@ from gdn2core.plugin import (
     PoolRequests,
     SegmentMode,
     Verdict,
+    broadcast_gates,
     is_tpu_available,
     probe,
 )
@@ -87,6 +92,7 @@ class PallasTpuBackend(Backend):
         decode=True,
         chunk_states=True,
         pooled=True,
+        scalar_gates=True,
     )
 
     def supports(self, spec: OpSpec, config: KernelConfig) -> Verdict:
@@ -118,7 +124,8 @@ class PallasTpuBackend(Backend):
 
         extras = OpExtras() if extras is None else extras
         act = spec.activations if spec.activations.any else None
-        plan = make_plan(spec, config, vmem_capacity_bytes(q), activations=act, chunk_states=True)
+        plan = make_plan(spec, config, vmem_capacity_bytes(q), activations=act, chunk_states=True,
+                         scalar_gates=spec.scalar_gates)  # fmt: skip
         ex = vjp.Extras(A_log=extras.A_log, dt_bias=extras.dt_bias)
         o, h_final, chunks = vjp.gdn2_pallas_chunk_states(q, k, v, w, b, g, h0, plan, ex)
         dtype = h0.dtype
@@ -133,7 +140,8 @@ class PallasTpuBackend(Backend):
         extras = OpExtras() if extras is None else extras
         act = spec.activations if spec.activations.any else None
         capacity = vmem_capacity_bytes(q)
-        if spec.segments == SegmentMode.CU_SEQLENS:
+        if spec.segments == SegmentMode.CU_SEQLENS:  # the chunk-aligned row takes full gates
+            spec, w, b, g = broadcast_gates(spec, w, b, g)
             plan = varlen_plan(spec, config, capacity, act)
             if trainable and extras.continues is not None:
                 raise ValueError(
@@ -146,7 +154,8 @@ class PallasTpuBackend(Backend):
             )  # fmt: skip
         else:
             segments = spec.segments == SegmentMode.IDS
-            plan = make_plan(spec, config, capacity, segments=segments, activations=act)
+            plan = make_plan(spec, config, capacity, segments=segments, activations=act,
+                             scalar_gates=spec.scalar_gates)  # fmt: skip
             ex = vjp.Extras(
                 segment_ids=extras.segment_ids if segments else None,
                 A_log=extras.A_log,

@@ -49,10 +49,18 @@ def residual_bytes(plan: Plan) -> int:
     return units * plan.C * plan.C * rs + states
 
 
+def scalar_savings(plan: Plan) -> int:
+    """Bytes per token and head that the scalar gates save: ``d`` values of the input dtype each,
+    replaced by one float32."""
+    K, V, s = plan.dk, plan.dv, plan.itemsize
+    return sum({"w": V, "b": K, "g": K}[n] * s - F32_BYTES for n in plan.scalar_gates)
+
+
 def cost_forward(plan: Plan, save_residuals: bool) -> dict[str, int]:
     tokens = plan.batch * plan.heads * plan.t_pad
     K, V, s = plan.dk, plan.dv, plan.itemsize
-    io = tokens * (4 * K + 3 * V) * s + 2 * plan.batch * plan.heads * K * V * F32_BYTES
+    io = tokens * ((4 * K + 3 * V) * s - scalar_savings(plan))
+    io += 2 * plan.batch * plan.heads * K * V * F32_BYTES
     if save_residuals:
         io += residual_bytes(plan)
     if plan.chunk_states:  # the f32 state entering every chunk
@@ -67,7 +75,8 @@ def cost_forward(plan: Plan, save_residuals: bool) -> dict[str, int]:
 def cost_backward(plan: Plan) -> dict[str, int]:
     tokens = plan.batch * plan.heads * plan.t_pad
     K, V, s = plan.dk, plan.dv, plan.itemsize
-    io = tokens * (8 * K + 5 * V) * s + 3 * plan.batch * plan.heads * K * V * F32_BYTES
+    io = tokens * ((8 * K + 5 * V) * s - 2 * scalar_savings(plan))  # a gate and its gradient
+    io += 3 * plan.batch * plan.heads * K * V * F32_BYTES
     io += residual_bytes(plan)
     return {
         "flops": int(tokens * flops_backward_per_token(plan)),

@@ -33,6 +33,7 @@ from gdn2_pallas_tpu.plan import Plan
 
 F32 = jnp.float32
 GRAD_NAMES = ("dq", "dk", "dv", "dw", "db", "dg")
+GATE_OF_GRAD = {"dw": "w", "db": "b", "dg": "g"}  # the gradients a scalar gate may take
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +43,9 @@ class BackwardRefs:
     q: tuple  # the step's tiles (blocks.TokenIO): hb x [nc C, K], or one [nc C, hb, K]
     k: tuple
     v: tuple  # ... V
-    w: tuple
-    b: tuple
-    g: tuple
+    w: tuple  # ... V, or one [hb, nc C] f32 block of a scalar gate (plan.scalar("w"))
+    b: tuple  # ... K, or a scalar gate's block
+    g: tuple  # ... K, or a scalar gate's block
     dO: tuple  # ... V
     starts: object | None  # [nc C, 1] f32 sequence starts (plan.segments)
     gate_params: object | None  # [hb, 2, K] f32 exp(A_log), dt_bias (plan.gate)
@@ -54,7 +55,8 @@ class BackwardRefs:
     TA: object  # [U / pack, C, pack C] saved A_qk (lower, diagonal), T^T (upper), lane-packed
     state_in: object  # [hb, K, V] f32 saved state entering the step
     dh_final: object  # [hb, K, V] f32
-    grads: tuple  # dq, dk, dv, dw, db, dg: in HBM (HEAD_MAJOR), or [nc C, hb, d] blocks
+    grads: tuple  # dq, dk, dv, dw, db, dg: in HBM (HEAD_MAJOR), or [nc C, hb, d] blocks; a scalar
+    #   gate's gradient: its [hb, nc C] f32 block
     dh0: object  # [hb, K, V] f32
     d_gate: object | None  # [hb, 2, K] f32 this step's sums for dA_log, d dt_bias (plan.gate)
     seq_dh0: object | None  # [N, H, K, V] f32 in HBM: per-sequence dh0 (plan.varlen)
@@ -65,7 +67,8 @@ class BackwardRefs:
     seq_sem: object | None  # its DMA semaphore (the reads)
     writes: tuple | None  # (buffers [2, hb, K, V] f32, DMA semaphores [2], SMEM counters [2]) of
     #   the dh0 writes (plan.varlen, state_writes.py)
-    stages: tuple | None  # 6 x [hb, nc C, d] gradient staging for the DMAs (HEAD_MAJOR)
+    stages: tuple | None  # [hb, nc C, d] gradient staging for the DMAs (HEAD_MAJOR), one per
+    #   gradient but a scalar gate's
     sems: object | None  # DMA semaphores (6, hb) (HEAD_MAJOR)
 
 
@@ -81,8 +84,10 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
     def _():
         r.dS[...] = r.dh_final[...]
 
-    q, k, b, g_raw = (io.load(x, K) for x in (r.q, r.k, r.b, r.g))  # [U, C, K]
-    v, w, dO = (io.load(x, V) for x in (r.v, r.w, r.dO))  # [U, C, V]
+    q, k = (io.load(x, K) for x in (r.q, r.k))  # [U, C, K]
+    b, g_raw = (blocks.load_gate(x, io, K, plan.scalar(n)) for n, x in (("b", r.b), ("g", r.g)))
+    v, dO = (io.load(x, V) for x in (r.v, r.dO))  # [U, C, V]
+    w = blocks.load_gate(r.w, io, V, plan.scalar("w"))  # [U, C, V]
     g_in = g_raw
     if plan.fused:  # re-activate the raw inputs (nothing activated was saved)
         gp = None if r.gate_params is None else blocks.load_gate_params(r.gate_params, plan)
@@ -194,10 +199,13 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
             r.d_gate[...] = blocks.per_head_sums(partial, plan)  # [hb, 2, K]
     grads = (dq, dk, dv, dw, db, dg)
     copies = []
-    stages = r.stages or (None,) * len(grads)
-    for m, (x, out, stage) in enumerate(zip(grads, r.grads, stages, strict=True)):
+    stages = iter(r.stages or ())  # the staged gradients' buffers, in order
+    for m, (x, out) in enumerate(zip(grads, r.grads, strict=True)):
+        if plan.scalar(GATE_OF_GRAD.get(GRAD_NAMES[m], "")):  # summed over the channels
+            blocks.store_scalar(x, out, plan)
+            continue
         sems = None if r.sems is None else r.sems.at[jnp.int32(m)]
-        copies += io.store(x, out, stage, sems, batch, head_group, step)
+        copies += io.store(x, out, next(stages, None), sems, batch, head_group, step)
     if seqs is not None:  # the last step waits for the dh0 writes still in flight
         seqs.writes.close()
     for copy in copies:
@@ -218,6 +226,13 @@ def backward_call(
     state = blocks.state_spec(plan)
     on = lambda flag, x: x if flag else None  # noqa: E731  (None: absent)
     dims = (K, K, V, V, K, K)
+    scalar = blocks.scalar_spec(plan, step_of)  # a scalar gate's (hb, nc C) block
+    gate = lambda name, specs: [scalar] if plan.scalar(name) else specs  # noqa: E731
+    is_scalar = [plan.scalar(GATE_OF_GRAD.get(n, "")) for n in GRAD_NAMES]
+    grad_specs = [scalar if sc else io.out_spec(d) for sc, d in zip(is_scalar, dims, strict=True)]
+    grad_stages = [
+        io.out_stage(d, q.dtype) for sc, d in zip(is_scalar, dims, strict=True) if not sc
+    ]
     res = (B, plan.head_groups, plan.n_steps)  # residuals: one block per grid step
     packed = blocks.residual_spec(plan, plan.residual_block, step_of)  # T^T | A_qk
     entry = blocks.residual_spec(plan, (hb, K, V), step_of)  # step entry states
@@ -225,9 +240,9 @@ def backward_call(
         refs.Input("q", keys, q),
         refs.Input("k", keys, k),
         refs.Input("v", vals, v),
-        refs.Input("w", vals, w),
-        refs.Input("b", keys, b),
-        refs.Input("g", keys, g),
+        refs.Input("w", gate("w", vals), w),
+        refs.Input("b", gate("b", keys), b),
+        refs.Input("g", gate("g", keys), g),
         refs.Input("dO", vals, dO),
         refs.Input("starts", blocks.starts_spec(plan, step_of), on(plan.segments, starts)),
         refs.Input("gate_params", blocks.gate_params_spec(plan), on(plan.gate, gate_params)),
@@ -237,9 +252,9 @@ def backward_call(
         refs.Input("TA", packed, TA),
         refs.Input("state_in", entry, states),
         refs.Input("dh_final", state, dh_final),
-        refs.Output(  # dq, dk, dv, dw, db, dg in the inputs' kernel layout
+        refs.Output(  # dq, dk, dv, dw, db, dg in the inputs' kernel layout (scalar gates: f32)
             "grads",
-            [io.out_spec(d) for d in dims],
+            grad_specs,
             [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, w, b, g)],
         ),
         refs.Output("dh0", state, jax.ShapeDtypeStruct((B, H, K, V), F32)),
@@ -259,8 +274,8 @@ def backward_call(
         refs.Scratch("seq_tmp", on(plan.varlen, pltpu.VMEM((hb, K, V), F32))),
         refs.Scratch("seq_sem", on(plan.varlen, pltpu.SemaphoreType.DMA(()))),
         refs.Scratch("writes", on(plan.varlen, state_writes.scratch_shapes((hb, K, V), F32))),
-        refs.Scratch(  # gradient staging
-            "stages", [io.out_stage(d, q.dtype) for d in dims] if io.head_major else None
+        refs.Scratch(  # gradient staging (none for a scalar gate's: a blocked output)
+            "stages", grad_stages if io.head_major else None
         ),
         refs.Scratch("sems", io.out_sems(len(dims))),
     )

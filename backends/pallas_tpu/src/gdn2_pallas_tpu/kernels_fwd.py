@@ -38,9 +38,9 @@ class ForwardRefs:
     #   nc x [C, hb, K] (plan.flat_tokens, flat_tokens.py)
     k: tuple
     v: tuple  # ... V
-    w: tuple
-    b: tuple
-    g: tuple
+    w: tuple  # ... V, or one [hb, nc C] f32 block of a scalar gate (plan.scalar("w"))
+    b: tuple  # ... K, or a scalar gate's block
+    g: tuple  # ... K, or a scalar gate's block
     starts: object | None  # [nc C, 1] f32 sequence starts (plan.segments)
     gate_params: object | None  # [hb, 2, K] f32 exp(A_log), dt_bias (plan.gate)
     seq_h0: object | None  # [N, H, K, V] f32 in HBM: per-sequence initial states (plan.varlen),
@@ -111,8 +111,9 @@ def _step(r: ForwardRefs, plan: Plan, save: bool, flat: flat_tokens.FlatTokens |
     batch, head_group, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     K, V, p = plan.dk, plan.dv, plan.precisions
     if flat is None:
-        q, k, b, g = (io.load(x, K) for x in (r.q, r.k, r.b, r.g))  # [U, C, K]
-        v, w = (io.load(x, V) for x in (r.v, r.w))  # [U, C, V]
+        q, k = (io.load(x, K) for x in (r.q, r.k))  # [U, C, K]
+        b, g = (blocks.load_gate(x, io, K, plan.scalar(n)) for n, x in (("b", r.b), ("g", r.g)))
+        v, w = io.load(r.v, V), blocks.load_gate(r.w, io, V, plan.scalar("w"))  # [U, C, V]
     else:  # v, w as (T, HV, dv): G value heads per kernel head
         q, k, b, g = (flat.load(x, K) for x in (r.q, r.k, r.b, r.g))  # [U, C, K]
         v, w = (flat.load(x, V, plan.pool_groups) for x in (r.v, r.w))  # [U, C, V]
@@ -215,6 +216,8 @@ def forward_call(
         keys, vals = io.in_specs(K), io.in_specs(V)
     state = blocks.state_spec(plan)
     on = lambda flag, x: x if flag else None  # noqa: E731  (None: absent)
+    scalar = [blocks.scalar_spec(plan, step_of)]  # a scalar gate's (hb, nc C) block
+    gate = lambda name, specs: scalar if plan.scalar(name) else specs  # noqa: E731
     res = (B, plan.head_groups, plan.n_steps)  # residuals: one block per grid step
     stage = (hb, G * K, V // G) if plan.pooled else (hb, K, V)  # a state's DMA staging
     slot_dtype = seq_h0.dtype if plan.pooled else F32  # the pool's dtype, or f32 states
@@ -225,9 +228,9 @@ def forward_call(
         refs.Input("q", keys, q),
         refs.Input("k", keys, k),
         refs.Input("v", vals, v),
-        refs.Input("w", vals, w),
-        refs.Input("b", keys, b),
-        refs.Input("g", keys, g),
+        refs.Input("w", gate("w", vals), w),
+        refs.Input("b", gate("b", keys), b),
+        refs.Input("g", gate("g", keys), g),
         refs.Input("starts", blocks.starts_spec(plan, step_of), on(plan.segments, starts)),
         refs.Input("gate_params", blocks.gate_params_spec(plan), on(plan.gate, gate_params)),
         refs.Input("seq_h0", blocks.hbm_any(), on(plan.varlen, seq_h0)),

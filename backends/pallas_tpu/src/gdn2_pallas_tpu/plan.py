@@ -190,6 +190,12 @@ class Plan:
     pool_checkpoints: bool = False  # pooled requests that store checkpoints (pooled.py)
     token_rows: int = 0  # pooled, token-major: the flat tokens the kernel reads (flat_tokens.py)
     chunk_states: bool = False  # the forward also writes the state entering every chunk
+    scalar_gates: tuple[str, ...] = ()  # of "w", "b", "g": read as (hb, nc C) blocks, one value
+    #   per head and token (blocks.scalar_spec); not with cu_seqlens or pooled requests
+
+    def scalar(self, name: str) -> bool:
+        """Whether the kernels read gate ``name`` (and write its gradient) as a scalar gate."""
+        return name in self.scalar_gates
 
     @property
     def varlen(self) -> bool:
@@ -299,8 +305,11 @@ def vmem_bytes(plan: Plan, backward: bool) -> dict[str, int]:
     rs = jnp.dtype(plan.residual_dtype).itemsize
     n_in = (4 * K + 3 * V) if backward else (4 * K + 2 * V)  # q k b g (+dO) v w per token
     n_out = (4 * K + 2 * V) if backward else V  # gradients / o per token
-    blocks = 2 * hb * plan.step_len * n_in * s  # double-buffered input tiles
-    blocks += hb * plan.step_len * n_out * s  # output staging (manual DMA)
+    # a scalar gate: 4 bytes per token instead of d values (and its gradient likewise)
+    scalar = sum({"w": V, "b": K, "g": K}[n] * s - F32_BYTES for n in plan.scalar_gates)
+    in_bytes, out_bytes = n_in * s - scalar, n_out * s - (scalar if backward else 0)
+    blocks = 2 * hb * plan.step_len * in_bytes  # double-buffered input tiles
+    blocks += hb * plan.step_len * out_bytes  # output staging (manual DMA)
     blocks += 2 * U * C * max(C, NUM_LANES // plan.lane_pack) * rs  # T|A_qk, lane-packed
     blocks += 2 * 2 * hb * K * V * F32_BYTES  # states in/out
     if plan.segments:  # the (nc C, 1) float32 start flags, lanes padded to 128, double-buffered
@@ -332,10 +341,12 @@ def make_plan(
     activations: object = None,
     n_seqs: int = 0,
     chunk_states: bool = False,
+    scalar_gates: tuple[str, ...] = (),
 ) -> Plan:
     """The plan of one call (see the module docstring for the choices); ``n_seqs``: the
     sequences of a ``cu_seqlens`` call (0 otherwise; :func:`varlen_plan` gives the row);
-    ``chunk_states``: an inference forward that also writes every chunk's entry state.
+    ``chunk_states``: an inference forward that also writes every chunk's entry state;
+    ``scalar_gates``: the gates read as one value per head and token (``spec.scalar_gates``).
 
     Raises:
         TypeError: ``config`` is another backend's config class (:class:`PallasTpuConfig`).
@@ -375,6 +386,7 @@ def make_plan(
             activations=activations,
             n_seqs=n_seqs,
             chunk_states=chunk_states,
+            scalar_gates=tuple(scalar_gates),
         )
         need = max(vmem_bytes(plan, False)["total"], vmem_bytes(plan, True)["total"])
         if need <= budget or (nc == 1 and hb == 1):

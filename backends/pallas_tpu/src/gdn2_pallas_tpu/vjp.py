@@ -28,7 +28,13 @@ import numpy as np
 from jax import lax
 
 from gdn2_pallas_tpu import pooled, varlen
-from gdn2_pallas_tpu.blocks import TokenIO, forward_step, sequence_starts
+from gdn2_pallas_tpu.blocks import (
+    TokenIO,
+    forward_step,
+    scalar_from_kernel,
+    scalar_to_kernel,
+    sequence_starts,
+)
 from gdn2_pallas_tpu.kernels_bwd import backward_call
 from gdn2_pallas_tpu.kernels_fwd import forward_call
 from gdn2_pallas_tpu.plan import Plan
@@ -52,9 +58,9 @@ class Residuals:
     q: jax.Array  # [B, H, t_pad, K] (HEAD_MAJOR) or [B, t_pad, H, K] (TOKEN_MAJOR)
     k: jax.Array
     v: jax.Array  # ... V
-    w: jax.Array
-    b: jax.Array
-    g: jax.Array
+    w: jax.Array  # ... V, or a scalar gate's [B, H / hb, n_steps, hb, nc C] f32 (blocks.py)
+    b: jax.Array  # ... K, or a scalar gate's
+    g: jax.Array  # ... K, or a scalar gate's
     starts: jax.Array | None  # [B, t_pad, 1] f32 sequence starts (packed sequences), or None
     TA: jax.Array  # [B, H / hb, n_steps, U, C, C] A_qk (lower) and T^T (strictly upper) per chunk
     states: jax.Array  # [B, H / hb, n_steps, hb, K, V] f32 state entering every step
@@ -139,6 +145,26 @@ def _io(plan: Plan) -> TokenIO:
     return TokenIO(plan, forward_step)
 
 
+INPUT_NAMES = ("q", "k", "v", "w", "b", "g")
+
+
+def _to_kernel(plan: Plan, xs) -> list[jax.Array]:
+    """``(q, k, v, w, b, g)`` in kernel layout: a scalar gate ``(B, T, H)`` as its
+    ``(B, H / hb, n_steps, hb, nc C)`` float32 blocks (blocks.scalar_to_kernel)."""
+    return [
+        scalar_to_kernel(x, plan) if plan.scalar(name) else _io(plan).to_kernel(x)
+        for name, x in zip(INPUT_NAMES, xs, strict=True)
+    ]
+
+
+def _from_kernel(plan: Plan, ys, dtype) -> list[jax.Array]:
+    """Inverse of :func:`_to_kernel`; a scalar gate's (gradient) back in ``dtype``."""
+    return [
+        scalar_from_kernel(y, plan, dtype) if plan.scalar(name) else _io(plan).from_kernel(y)
+        for name, y in zip(INPUT_NAMES, ys, strict=True)
+    ]
+
+
 def _gate_params(A_log, dt_bias, plan: Plan):
     """(H, 2, K) float32: row 0 ``exp(A_log)``, row 1 ``dt_bias`` (zeros when absent); None
     without a fused gate."""
@@ -172,7 +198,7 @@ NO_EXTRAS = Extras()
 
 def _forward(q, k, v, w, b, g, h0, ex: Extras, plan: Plan, save: bool):
     """The forward kernel: ``(o, h_final, seq_h_final | None, saved, residual outputs)``."""
-    xs = [_io(plan).to_kernel(x) for x in (q, k, v, w, b, g)]
+    xs = _to_kernel(plan, (q, k, v, w, b, g))
     starts = None if ex.segment_ids is None else sequence_starts(ex.segment_ids, plan)
     gate = _gate_params(ex.A_log, ex.dt_bias, plan)
     call = functools.partial(forward_call, plan=plan, save=save)
@@ -256,7 +282,7 @@ def _vjp_bwd(plan: Plan, saved, cotangents):
         table=_no_gradient(ex.table),
         seq_h0=d_seq_h0,
     )
-    return (*(_io(plan).from_kernel(x) for x in grads), dh0, d_ex)
+    return (*_from_kernel(plan, grads, res.q.dtype), dh0, d_ex)
 
 
 def _no_gradient(x):

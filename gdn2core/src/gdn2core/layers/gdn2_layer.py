@@ -38,7 +38,7 @@ same fused options); split anywhere, the outputs are those of one call over the 
 Variants (``variant=``): ``"kda"`` (Kimi Delta Attention) projects one beta per head with
 ``b_proj``, which is both the erase and the write gate (``w = b``, no ``w_proj``); ``"gdn"``
 (Gated DeltaNet) also projects one decay per head with ``f_proj`` (``dt_bias`` per head). Their
-scalars broadcast to the operator's shapes (``docs/operator.md``, section KDA and GDN).
+scalars go to the operator as its scalar gates (``docs/operator.md``, section KDA and GDN).
 
 The operator contract is ``docs/operator.md``; the parameterisation of the decay follows
 fla's KDA/GDN-2 layers (``A_log`` per head initialised from U(1, 16), ``dt_bias`` per key channel
@@ -234,8 +234,8 @@ class GDN2Layer(nnx.Module):
         variant: ``"gdn2"``; ``"kda"`` (Kimi Delta Attention: ``b_proj`` gives one beta per
             head, the erase and write gates both, no ``w_proj``); ``"gdn"`` (Gated DeltaNet:
             beta as KDA's and ``f_proj`` one decay per head, ``dt_bias`` ``(Hg,)``). The same
-            operator call: the scalars broadcast to its shapes (docs/operator.md, section KDA
-            and GDN). ``lift_b`` is GDN-2's alone (fla's ``allow_neg_eigval`` doubles KDA's one
+            operator call, the scalars as its scalar gates (broadcast for the cache's decode
+            steps; docs/operator.md, section KDA and GDN). ``lift_b`` is GDN-2's alone (fla's ``allow_neg_eigval`` doubles KDA's one
             beta, erase and write, which the fused activations do not express).
         conv_size: kernel size of the short causal convolution on q, k, v (0 disables it).
         lift_b: erase gate in (0, 2) instead of (0, 1) (allows negative eigenvalues).
@@ -348,11 +348,14 @@ class GDN2Layer(nnx.Module):
         self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))  # inverse softplus
         self.o_norm = GatedRMSNorm(dv, eps=norm_eps)
 
-    def raw_gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def raw_gates(
+        self, x: jax.Array, scalar: bool = False
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The operator's raw ``(w, b, g)`` of ``x`` ``(..., d_model)``: ``(..., HV, dv)``,
         ``(..., Hg, dk)``, ``(..., Hg, dk)`` (the operator applies the activations,
         :meth:`fused_options`); KDA's and GDN's per-head scalars broadcast to those shapes (w of
-        a value head from its key head's beta when ``Hg = H``)."""
+        a value head from its key head's beta when ``Hg = H``), or with ``scalar`` left as the
+        operator's scalar gates: w ``(..., HV)``, b ``(..., Hg)`` and GDN's g ``(..., Hg)``."""
         lead = x.shape[:-1]
         HV, Hg, dk, dv = self.num_v_heads, self.gate_heads, self.dk, self.dv
         f = self.f_proj(x)
@@ -360,8 +363,11 @@ class GDN2Layer(nnx.Module):
             w = self.w_proj(x).reshape(*lead, HV, dv)
             return w, self.b_proj(x).reshape(*lead, Hg, dk), f.reshape(*lead, Hg, dk)
         beta = self.b_proj(x).reshape(*lead, Hg)  # [..., Hg] one beta erases and writes
-        b = jnp.broadcast_to(beta[..., None], (*lead, Hg, dk))
         beta_v = beta if Hg == HV else jnp.repeat(beta, HV // Hg, axis=-1)  # value head j: j // G
+        if scalar:
+            g = f.reshape(*lead, Hg) if self.variant == "gdn" else f.reshape(*lead, Hg, dk)
+            return beta_v, beta, g
+        b = jnp.broadcast_to(beta[..., None], (*lead, Hg, dk))
         w = jnp.broadcast_to(beta_v[..., None], (*lead, HV, dv))
         g = f.reshape(*lead, Hg, 1 if self.variant == "gdn" else dk)
         return w, b, jnp.broadcast_to(g, (*lead, Hg, dk))
@@ -548,7 +554,10 @@ class GDN2Layer(nnx.Module):
                 f"{jnp.dtype(cache.state.dtype).name}"
             )
 
-    def _inputs(self, x: jax.Array, positions: jax.Array | None, cache: GDN2Cache | None):
+    def _inputs(
+        self, x: jax.Array, positions: jax.Array | None, cache: GDN2Cache | None,
+        scalar: bool = False,
+    ):  # fmt: skip
         """The operator's raw q, k, v, w, b, g (it applies the activations, :meth:`fused_options`)
         and, with a cache, the new convolution states."""
         B, T, _ = x.shape
@@ -573,7 +582,7 @@ class GDN2Layer(nnx.Module):
         q = q.reshape(B, T, H, dk)  # raw: the operator normalises q and k
         k = k.reshape(B, T, H, dk)
         v = v.reshape(B, T, HV, dv)
-        w, b, g = self.raw_gates(x)  # raw: the operator applies the sigmoids and the decay gate
+        w, b, g = self.raw_gates(x, scalar)  # raw: the operator applies the sigmoids and decay
         return (q, k, v, w, b, g), convs
 
     def _output(self, x: jax.Array, o: jax.Array) -> jax.Array:
@@ -683,7 +692,7 @@ class GDN2Layer(nnx.Module):
     ) -> tuple[jax.Array, jax.Array]:
         """``(y, h_final)`` of the chunked op over ``x``, sequences starting at ``starts``."""
         positions = None if starts is None else positions_in_segment(starts)
-        xs, _ = self._inputs(x, positions, None)
+        xs, _ = self._inputs(x, positions, None, scalar=True)  # KDA's, GDN's scalar gates
         seg = None if starts is None else jnp.cumsum(starts, axis=1, dtype=jnp.int32)
         o, h_final = gdn2_forward_trainable(
             *xs,

@@ -16,6 +16,7 @@ from gdn2core.checks import state_dtype
 from gdn2core.config import KernelConfig
 from gdn2core.features.activations import apply_activations
 from gdn2core.features.gva import group_call, ungroup_outputs, ungroup_state
+from gdn2core.features.scalar_gates import broadcast_gates
 from gdn2core.features.segments import as_int32_ids
 from gdn2core.ops.forward.spec import OpSpec
 from gdn2core.options import OpExtras, SegmentMode
@@ -63,6 +64,10 @@ def run_backend(
     user_h0 = h0
     view, inputs, h0, backend_extras = backend_inputs(backend, spec, args, h0, extras)
     plan = resolve_plan(view, placed, **sharding)
+    if plan is not None and view.scalar_gates:  # the per-shard call takes the full gates
+        q, k, v, w, b, g = inputs
+        view, w, b, g = broadcast_gates(view, w, b, g)
+        inputs = (q, k, v, w, b, g)
     more = {} if backend_extras is None else {"extras": backend_extras}
     if chunk_states and plan is not None:
         raise ValueError(
@@ -113,14 +118,21 @@ def empty_call(
 
 def backend_inputs(backend: Backend, spec: OpSpec, args, h0, extras: OpExtras):
     """What the backend receives for a call: ``(view, (q, k, v, w, b, g), h0, extras | None)``:
-    the activations applied in XLA unless it fuses them, grouped value heads resolved, and the
-    extras (None when the call has no packed sequences and no fused activations)."""
+    scalar gates broadcast unless it takes them (and w's always under grouped value heads, whose
+    kernel heads have ``G * dv`` value channels), the activations applied in XLA unless it fuses
+    them, grouped value heads resolved, and the extras (None when the call has no packed
+    sequences and no fused activations)."""
     q, k, v, w, b, g = args
     caps = backend.capabilities
+    in_xla = spec.activations.any and not caps.fused_activations
+    if not caps.scalar_gates or in_xla:
+        spec, w, b, g = broadcast_gates(spec, w, b, g)
+    elif spec.groups > 1 and spec.gate_heads == spec.heads:  # shared keys (features/gva.py)
+        spec, w, b, g = broadcast_gates(spec, w, b, g, ("w",))
     view = caps.view(spec)
     A_log, dt_bias = extras.A_log, extras.dt_bias
     acc = state_dtype(q.dtype)
-    if spec.activations.any and not caps.fused_activations:
+    if in_xla:
         q, k, w, b, g = apply_activations(spec.activations, q, k, w, b, g, A_log, dt_bias)
         A_log = dt_bias = None
     A_log = None if A_log is None else A_log.astype(acc)

@@ -1,10 +1,12 @@
 """fla's delta-rule arguments as a GDN-2 call.
 
 KDA and GDN are GDN-2 with ``b = w = beta`` (and, for GDN, ``g`` the same on every key channel):
-``S_t = (I - beta_t k_t k_t^T) diag(exp g_t) S_(t-1) + beta_t k_t v_t^T``. The scalar gates are
-broadcast here, in XLA, to the GDN-2 shapes every backend takes (docs/operator.md, sections KDA
-and GDN); the gradient of ``beta`` is the sum of those of ``b`` and ``w``, of a scalar ``g`` the
-sum over the key channels.
+``S_t = (I - beta_t k_t k_t^T) diag(exp g_t) S_(t-1) + beta_t k_t v_t^T``. The GDN-2 call takes
+beta as the scalar gates ``b`` ``(B, T, Hg)`` and ``w`` ``(B, T, HV)`` (and GDN's decay as a
+scalar ``g``): a backend that declares ``Capabilities.scalar_gates`` reads them so, any other gets
+them broadcast to their channels by the core (docs/operator.md, sections KDA and GDN; the
+gradient of ``beta`` is the sum of those of ``b`` and ``w``, of a scalar ``g`` the sum over the
+key channels).
 
 fla's keywords keep fla's meaning: ``use_beta_sigmoid_in_kernel`` is ``beta = sigmoid(beta)``
 and ``allow_neg_eigval`` doubles it (both the erase and the write: there is one beta), applied
@@ -98,7 +100,7 @@ def convert(op: str, q, k, v, g, beta, *, scalar_gate: bool, scale, initial_stat
     if v.ndim != 4 or v.shape[:2] != (B, T):
         raise ValueError(f"v: expected shape (B, T, HV, dv) with (B, T) = {(B, T)}, got "
                          f"{tuple(v.shape)}")  # fmt: skip
-    HV, dv = v.shape[2], v.shape[3]
+    HV = v.shape[2]
     Hg = beta.shape[2] if beta.ndim == 3 else None
     if Hg not in (H, HV):
         raise ValueError(f"beta: expected shape (B, T, Hg) with Hg = H = {H} or HV = {HV}, got "
@@ -112,13 +114,9 @@ def convert(op: str, q, k, v, g, beta, *, scalar_gate: bool, scale, initial_stat
     if use_beta_sigmoid_in_kernel:  # on the scalar beta: one beta erases and writes
         acc = jnp.promote_types(beta.dtype, jnp.float32)  # the state dtype
         beta = jax.nn.sigmoid(beta.astype(acc)) * (2.0 if allow_neg_eigval else 1.0)
-    beta = beta.astype(q.dtype)
-    b = jnp.broadcast_to(beta[..., None], (B, T, Hg, dk))  # [B, T, Hg, dk]
-    w_heads = (
-        beta if Hg == HV else jnp.repeat(beta, HV // H, axis=2)
-    )  # value head j: beta of j // G
-    w = jnp.broadcast_to(w_heads[..., None], (B, T, HV, dv)).astype(v.dtype)  # [B, T, HV, dv]
-    g_full = jnp.broadcast_to(g[..., None], (B, T, Hg, dk)) if scalar_gate else g
+    b = beta.astype(q.dtype)  # [B, T, Hg] a scalar gate
+    w = (b if Hg == HV else jnp.repeat(b, HV // H, axis=2)).astype(v.dtype)  # [B, T, HV]
+    #   value head j: beta of j // G
 
     keywords: dict[str, Any] = {k_: kwargs[k_] for k_ in OURS if k_ in kwargs}
     keywords["use_qk_l2norm_in_kernel"] = use_qk_l2norm_in_kernel
@@ -145,7 +143,7 @@ def convert(op: str, q, k, v, g, beta, *, scalar_gate: bool, scale, initial_stat
         h0 = jnp.swapaxes(h0, -1, -2)  # fla's [N, HV, dv, dk] -> [N, HV, dk, dv]
     if scale is not None:
         keywords["scale"] = scale
-    return FamilyCall((q, k, v, w, b, g_full), h0, keywords, state_v_first, output_final_state)
+    return FamilyCall((q, k, v, w, b, g), h0, keywords, state_v_first, output_final_state)
 
 
 def finish(call: FamilyCall, o: jax.Array, h: jax.Array) -> tuple[jax.Array, jax.Array | None]:

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from gdn2core.checks import state_dtype
+from gdn2core.features.scalar_gates import broadcast_gates
 from gdn2core.features.segments import varlen_layout
 from gdn2core.ops.forward.spec import OpSpec
 from gdn2core.options import (
@@ -91,6 +92,7 @@ def token_serial(
         ``(o, h_final)``.
     """
     extras = OpExtras() if extras is None else extras
+    spec, w, b, g = broadcast_gates(spec, w, b, g)  # scalar gates: the same on every channel
     acc = state_dtype(q.dtype)
     HV, dk, dv = spec.value_heads, spec.dk, spec.dv
     if h0 is None:

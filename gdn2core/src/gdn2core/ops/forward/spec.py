@@ -24,6 +24,8 @@ from gdn2core.options import NO_ACTIVATIONS, Activations, SegmentMode
 #: Input names in the public argument order, with the axis that holds their channel size.
 KEY_AXIS_INPUTS: tuple[str, ...] = ("q", "k", "b", "g")
 VALUE_AXIS_INPUTS: tuple[str, ...] = ("v", "w")
+#: The gates that may come as one value per head and token (rank 3), in the spec's order.
+SCALAR_GATE_NAMES: tuple[str, ...] = ("w", "b", "g")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,6 +51,7 @@ class OpSpec:
     n_seqs: int = 0  # N with cu_seqlens, else batch
     activations: Activations = NO_ACTIVATIONS
     continued: bool = False  # cu_seqlens pieces that continue a state (extras.continues)
+    scalar_gates: tuple[str, ...] = ()  # of "w", "b", "g": given (B, T, heads), one per channel
 
     def __post_init__(self) -> None:
         if self.value_heads == 0:
@@ -128,17 +131,24 @@ class OpSpec:
         for name, x in arrays.items():
             if not hasattr(x, "shape") or not hasattr(x, "dtype"):
                 raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
-            if len(x.shape) != 4:
+            scalar_ok = name in SCALAR_GATE_NAMES and len(x.shape) == 3
+            if len(x.shape) != 4 and not scalar_ok:
                 axes = "(B, T, H, dk)" if name in KEY_AXIS_INPUTS else "(B, T, HV, dv)"
+                if name in SCALAR_GATE_NAMES:
+                    axes += " or rank 3 " + ("(B, T, Hg)" if name != "w" else "(B, T, HV)")
                 raise ValueError(
                     f"{name}: expected rank 4 {axes}, got rank {len(x.shape)} shape "
                     f"{tuple(x.shape)}"
                 )
+        scalar_gates = tuple(n for n in SCALAR_GATE_NAMES if len(arrays[n].shape) == 3)
         bsz, seq, heads, dk = (int(s) for s in q.shape)
         vheads, dv = int(v.shape[2]), int(v.shape[3])
         expect_shape("k", k.shape, (bsz, seq, heads, dk), "(B, T, H, dk)")
-        for name in VALUE_AXIS_INPUTS:
-            expect_shape(name, arrays[name].shape, (bsz, seq, vheads, dv), "(B, T, HV, dv)")
+        expect_shape("v", v.shape, (bsz, seq, vheads, dv), "(B, T, HV, dv)")
+        if "w" in scalar_gates:
+            expect_shape("w", w.shape, (bsz, seq, vheads), "(B, T, HV) (a scalar gate)")
+        else:
+            expect_shape("w", w.shape, (bsz, seq, vheads, dv), "(B, T, HV, dv)")
         if min(bsz, heads, dk, vheads, dv) < 1:
             raise ValueError(
                 f"q/v: B, H, HV, dk and dv must be positive, got B={bsz}, H={heads}, HV={vheads}, "
@@ -156,12 +166,17 @@ class OpSpec:
             expected += f" or (B, T, HV, dk) = {(bsz, seq, vheads, dk)}"
         for name in ("b", "g"):
             shape = tuple(int(s) for s in arrays[name].shape)
+            want = expected
+            if name in scalar_gates:  # one value per head and token: no channel axis
+                want = f"(B, T, H) = {(bsz, seq, heads)}" + (
+                    f" or (B, T, HV) = {(bsz, seq, vheads)}" if vheads != heads else ""
+                )
+                shape = (*shape, dk)
             if shape[:2] != (bsz, seq) or shape[3] != dk or shape[2] not in (heads, vheads):
-                raise ValueError(f"{name}: expected shape {expected}, got {shape}")
+                raise ValueError(f"{name}: expected shape {want}, got {tuple(arrays[name].shape)}")
         if int(g.shape[2]) != gheads:
             raise ValueError(
-                f"g: expected the heads of b, shape {(bsz, seq, gheads, dk)}, got "
-                f"{tuple(int(s) for s in g.shape)}"
+                f"g: expected the heads of b ({gheads}), got shape {tuple(int(s) for s in g.shape)}"
             )
 
         dtype = check_common_dtype(arrays)
@@ -205,4 +220,5 @@ class OpSpec:
             segments=segments,
             n_seqs=n_seqs,
             activations=activations,
+            scalar_gates=scalar_gates,
         )
