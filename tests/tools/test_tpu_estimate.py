@@ -157,3 +157,13 @@ def test_rows_say_how_the_gates_came_and_the_program_bytes(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "pallas_tpu forward [KDA's scalar gates broadcast in XLA before the op]: 1.000 ms" in out
     assert "; HBM 81.9 MB in all" in out
+
+
+def test_libtpu_logs_are_truncated_while_a_compile_runs(tmp_path):
+    """The profiler's logs (tens of GB for a large program) are cut to nothing as they grow."""
+    from gdn2_tools.static_profile import _trim_logs
+
+    for name in ("tpu_driver.log", "other.INFO"):
+        (tmp_path / name).write_bytes(b"x" * 4096)
+    _trim_logs(str(tmp_path))
+    assert [p.stat().st_size for p in sorted(tmp_path.iterdir())] == [0, 0]

@@ -31,6 +31,7 @@ the public op of a backend through :func:`gdn2_tools.tpu.compile_op`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
@@ -417,15 +418,29 @@ def _rss_gb(pid: int) -> float:
         return 0.0
 
 
+#: Seconds between truncations of libtpu's logs while a compile runs (:func:`_trim_logs`).
+LOG_TRIM_S: Final = 5.0
+
+
+def _trim_logs(logs: str) -> None:
+    """Truncate libtpu's log files in ``logs`` to 0 bytes. With the profiler on, a large program
+    (jax_ref at 32 heads) logs tens of GB during one compile; the estimate reads none of it. A
+    truncated file keeps its writer's offset, so later writes leave a hole that takes no disk."""
+    for name in os.listdir(logs):
+        with contextlib.suppress(OSError):  # gone, or not a file
+            os.truncate(os.path.join(logs, name), 0)
+
+
 def _compile_child(program, tpu, work, flags, timeout_s, max_rss_gb) -> tuple[int | str, str]:
-    os.makedirs(os.path.join(work, "logs"), exist_ok=True)
+    logs = os.path.join(work, "logs")
+    os.makedirs(logs, exist_ok=True)
     env = dict(os.environ)
     env.update(
         JAX_PLATFORMS="cpu",
         ALLOW_MULTIPLE_LIBTPU_LOAD="1",
         # With the profiler on, libtpu logs about 1 GB per compile, to TPU_LOG_DIR or, with it
         # disabled, to TMPDIR: both point into the work folder, which estimate() removes.
-        TPU_LOG_DIR=os.path.join(work, "logs"),
+        TPU_LOG_DIR=logs,
         TMPDIR=work,
         LIBTPU_INIT_ARGS=" ".join([env.get("LIBTPU_INIT_ARGS", ""), *flags]).strip(),
     )
@@ -433,8 +448,12 @@ def _compile_child(program, tpu, work, flags, timeout_s, max_rss_gb) -> tuple[in
     start = time.time()
     with open(os.path.join(work, "stderr.txt"), "w+") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log)
+        trimmed = start
         while (code := proc.poll()) is None:
             time.sleep(0.5)
+            if time.time() - trimmed > LOG_TRIM_S:
+                _trim_logs(logs)
+                trimmed = time.time()
             if _rss_gb(proc.pid) > max_rss_gb or time.time() - start > timeout_s:
                 proc.kill()
                 proc.wait()
