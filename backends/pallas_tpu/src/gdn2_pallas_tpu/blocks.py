@@ -39,6 +39,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from gdn2_pallas_tpu.chunk_math import iota
 from gdn2_pallas_tpu.matmul import MatmulPrecision, mm_tn
 from gdn2_pallas_tpu.plan import Layout, Plan
 
@@ -46,10 +47,6 @@ F32 = jnp.float32
 #: Index-map block index 0, as int32: a Python 0 is an int64 under ``jax_enable_x64``, which the
 #: index maps' lowering rejects.
 I0 = np.int32(0)
-
-
-def iota_i32(shape: tuple[int, ...], dim: int) -> jax.Array:
-    return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
 def forward_step(step):
@@ -241,7 +238,7 @@ def load_scalar(ref, plan: Plan, d: int) -> jax.Array:
     131,999 for a transpose and lane broadcasts (the full-gate kernel: 120,478)."""
     hb = plan.hb
     rows = ref[...].astype(F32)[None]  # [1, hb, nc C]
-    lane, head = iota_i32((1, hb, hb * d), 2), iota_i32((1, hb, hb * d), 1)
+    lane, head = iota((1, hb, hb * d), 2), iota((1, hb, hb * d), 1)
     sel = ((lane >= head * d) & (lane < head * d + d)).astype(F32)  # [1, hb, hb d]
     exact = MatmulPrecision.BF16 if plan.itemsize == 2 else MatmulPrecision.F32
     cols = mm_tn(rows, sel, exact)[0]  # [nc C, hb d]
