@@ -23,7 +23,10 @@ TOL = 1e-5
 def _blocks() -> dict[str, str]:
     section = README.read_text().split("### Porting from fla", 1)[1].split("\n## ", 1)[0]
     found = re.findall(r"```python\n(.*?)```", section, re.S)
-    return {"kda" if "chunk_kda(" in b else "gdn": b for b in found}
+    return {
+        "recurrent" if "fused_recurrent" in b else "kda" if "chunk_kda(" in b else "gdn": b
+        for b in found
+    }
 
 
 def _inputs(scalar_gate: bool) -> dict:
@@ -63,3 +66,26 @@ def test_readme_port_runs_and_matches_the_recurrence(op):
                 )  # fmt: skip
             assert rel_err(o[:, cu[n] : cu[n + 1]], o_n) <= TOL, n
             assert rel_err(state[n : n + 1], h_n) <= TOL, n
+
+
+def test_readme_decoding_block_runs_and_matches_the_recurrence():
+    """The recurrent block: one new token for each of 2 sequences from their cached states."""
+    block = _blocks()["recurrent"]
+    assert block.startswith("# from fla.ops.gated_delta_rule import fused_recurrent")
+    rng = np.random.default_rng(4)
+
+    def arr(*shape, lo=-1.0, hi=1.0):
+        return jnp.asarray(rng.uniform(lo, hi, shape), jnp.float32)
+
+    names = dict(q=arr(2, 1, H, K), k=arr(2, 1, H, K), v=arr(2, 1, HV, V),
+                 g=arr(2, 1, HV, lo=-1.0, hi=0.0), beta=arr(2, 1, HV, lo=0.0),
+                 state=arr(2, HV, K, V))  # fmt: skip
+    given = dict(names)
+    with jax.default_matmul_precision("highest"):
+        exec(block, names)  # the README's own code
+        o_r, h_r = naive_recurrent_gated_delta_rule(
+            given["q"], given["k"], given["v"], given["g"], given["beta"],
+            initial_state=given["state"], output_final_state=True, use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+    assert names["o"].shape == (2, 1, HV, V) and names["state"].shape == (2, HV, K, V)
+    assert rel_err(names["o"], o_r) <= TOL and rel_err(names["state"], h_r) <= TOL

@@ -1,6 +1,7 @@
 """``chunk_kda`` and ``chunk_gated_delta_rule`` on pallas_tpu (TPU interpret mode) against their
 own token-serial recurrences: outputs, final states and every gradient, with grouped value heads,
-the fused gates (KDA's lower-bound gate takes the merged-levels path) and beta's sigmoid."""
+the fused gates (KDA's lower-bound gate takes the merged-levels path) and beta's sigmoid; and
+``fused_recurrent_gated_delta_rule`` on pallas_tpu's decode kernel with a state pool."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from gdn2core import (
     KernelConfig,
     chunk_gated_delta_rule,
     chunk_kda,
+    fused_recurrent_gated_delta_rule,
     naive_recurrent_gated_delta_rule,
     naive_recurrent_kda,
 )
@@ -64,3 +66,32 @@ def test_family_on_pallas_tpu_matches_its_recurrence(case):
     names = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
     for name, gx, gr in zip(names, grads, grads_r, strict=True):
         assert rel_err(gx, gr) <= TOL_GRAD, (name, rel_err(gx, gr))
+
+
+def test_fused_recurrent_gdn_on_the_decode_kernel_with_a_pool():
+    """Qwen-like decoding: 2 sequences of 3 tokens, gates on the value heads, a bfloat16 pool of 5
+    slots; the named slots advance as the GDN recurrence from them does (the slot rounded once to
+    bfloat16: 2^-8 relative, 4e-3 bound), the other slots come back bit for bit."""
+    rng = np.random.default_rng(11)
+
+    def arr(*shape, lo=-1.0, hi=1.0):
+        return jnp.asarray(rng.uniform(lo, hi, shape), jnp.float32)
+
+    q, k, v = arr(2, 3, H, K), arr(2, 3, H, K), arr(2, 3, HV, V)
+    g, beta = arr(2, 3, HV, lo=-1.0, hi=0.0), arr(2, 3, HV, lo=0.0)
+    pool = arr(5, HV, K, V).astype(jnp.bfloat16)
+    idx = jnp.asarray([4, 0])
+    o, new = fused_recurrent_gated_delta_rule(
+        q, k, v, g, beta=beta, initial_state=pool, output_final_state=True, state_indices=idx,
+        use_qk_l2norm_in_kernel=True, backend="pallas_tpu",
+        config=KernelConfig(bt=16, interpret=True),
+    )  # fmt: skip
+    with jax.default_matmul_precision("highest"):
+        o_r, h_r = naive_recurrent_gated_delta_rule(
+            q, k, v, g, beta, initial_state=pool[idx].astype(jnp.float32),
+            output_final_state=True, use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+    assert rel_err(o, o_r) <= TOL_OUT
+    assert new.dtype == jnp.bfloat16 and rel_err(new[idx], h_r) <= 4e-3
+    for slot in (1, 2, 3):
+        np.testing.assert_array_equal(np.asarray(new[slot]), np.asarray(pool[slot]))

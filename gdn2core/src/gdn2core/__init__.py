@@ -24,6 +24,7 @@ from gdn2core.ops.decode.reference import gdn2_decode_reference
 from gdn2core.ops.decode.spec import DecodeSpec
 from gdn2core.ops.family.gdn import chunk_gated_delta_rule
 from gdn2core.ops.family.kda import chunk_kda
+from gdn2core.ops.family.recurrent import fused_recurrent_gated_delta_rule, fused_recurrent_kda
 from gdn2core.ops.family.reference import naive_recurrent_gated_delta_rule, naive_recurrent_kda
 from gdn2core.ops.forward.api import gdn2_forward, gdn2_forward_trainable, which_backend
 from gdn2core.ops.forward.reference import gdn2_token_serial_reference
@@ -73,6 +74,8 @@ __all__ = [
     "chunk_gated_delta_rule",
     "chunk_kda",
     "estimate_memory",
+    "fused_recurrent_gated_delta_rule",
+    "fused_recurrent_kda",
     "gdn2_decode",
     "gdn2_decode_reference",
     "gdn2_forward",
