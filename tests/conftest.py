@@ -8,7 +8,13 @@ os.environ.setdefault("TPU_LOG_DIR", "disabled")
 
 import pytest
 
+from tests.support import worker_crash
 from tests.tiers import is_full
+
+
+def pytest_configure(config):
+    """A test whose xdist worker crashed runs once more (tests/support/worker_crash.py)."""
+    worker_crash.register(config)
 
 
 def pytest_collection_modifyitems(config, items):
