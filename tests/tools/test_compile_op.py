@@ -4,6 +4,8 @@ the Mosaic kernels with the grouped shapes."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from gdn2_tools.tpu import compile_op
@@ -65,3 +67,31 @@ def test_grouped_and_packed_flags_need_estimate(capsys):
     with pytest.raises(SystemExit):
         _parse(["--value-heads", "32"])
     assert "apply to --estimate only" in capsys.readouterr().err
+
+
+@pytest.mark.tpu_compile
+def test_value_head_gates_program_compiles():
+    """``value_gates=True`` (``--value-gates``): GDN's scalar beta and decay on the 4 value heads
+    (Qwen3-Next's layout), q and k on 2 key heads; the program's gate parameters are
+    ``(B, T, HV)`` (the softplus gate's A_log, dt_bias on the HV heads: a mismatch would not
+    trace)."""
+    text = compile_op(
+        "pallas_tpu", "v5e:1x1", "train", 1, 256, 2, 64, 64, "bfloat16", DEFAULT_CONFIG,
+        value_heads=4, value_gates=True, gates="gdn", gate="softplus",
+    ).as_text()  # fmt: skip
+    assert "tpu_custom_call" in text and "gdn2_bwd" in text
+    params = text.split("ENTRY", 1)[1].split("->", 1)[0]  # the program's arguments
+    assert len(re.findall(r"bf16\[1,256,4\][,)]", params)) == 3, params  # w, b, g
+    assert not re.findall(r"bf16\[1,256,2\][,)]", params), params
+
+
+def test_value_gates_flag_needs_grouped_heads(capsys):
+    from gdn2_tools.tpu_report import _parse
+
+    args = _parse(["--estimate", "-H", "16", "--value-heads", "32", "--value-gates"])
+    assert args.value_gates and args.value_heads == 32
+    with pytest.raises(SystemExit):
+        _parse(["--estimate", "-H", "16", "--value-gates"])
+    assert (
+        "--value-gates: expected --value-heads other than -H 16, got 0" in capsys.readouterr().err
+    )

@@ -59,7 +59,8 @@ LABEL: Final = "TPU compiler static cycle estimate (libtpu LLO profile), not a m
 class Program:
     """What to compile: one backend's forward, train step or decode step through the public op.
 
-    ``value_heads`` HV (0: H): grouped value heads (b, g on the H key heads). For
+    ``value_heads`` HV (0: H): grouped value heads (b, g on the H key heads, or with
+    ``value_gates`` on the HV value heads). For
     ``mode="decode"``: ``B`` is the number of sequences N, ``T`` the tokens per sequence S,
     ``H`` the key heads, ``value_heads`` HV (0: H), and the pool is ``pool_dtype`` with one slot
     per sequence, donated (:func:`gdn2_tools.tpu.compile_decode`)."""
@@ -74,6 +75,7 @@ class Program:
     dtype: str
     config: str = "default"  # "default" or a gdn2core.PRESETS name
     value_heads: int = 0
+    value_gates: bool = False  # forward/train: b, g on the value heads (else on the key heads)
     pool_dtype: str = "float32"
     segments: bool = False  # forward/train: with segment_ids (packed sequences)
     gate: str = ""  # forward/train: the fused gate, "softplus" or a lower bound ("-5"); "" none
@@ -396,7 +398,8 @@ def _child_main(argv: Sequence[str]) -> int:
         compiled = compile_op(
             program.backend, TOPOLOGIES[tpu], program.mode,
             program.B, program.T, program.H, program.dk, program.dv, program.dtype, config,
-            segments=program.segments, value_heads=program.value_heads, gate=program.gate,
+            segments=program.segments, value_heads=program.value_heads,
+            value_gates=program.value_gates, gate=program.gate,
             gates=program.gates,
         )  # fmt: skip
     hlo = compiled.as_text()

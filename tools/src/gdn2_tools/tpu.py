@@ -108,6 +108,7 @@ def compile_op(
     *,
     segments: bool = False,
     value_heads: int = 0,
+    value_gates: bool = False,
     gate: str = "",
     gates: str = "",
 ):
@@ -126,6 +127,8 @@ def compile_op(
             values are unknown at compile time, so a sequence may start at any token).
         value_heads: grouped value heads: v, w, h0 and the cotangents with this many heads
             (q, k, b, g keep ``H``); 0: ``H``.
+        value_gates: with ``value_heads``, b and g on the value heads too (as Qwen3-Next's
+            beta and decay), not on the key heads.
         gate: the gate fused in the op (:func:`gate_keywords`): ``""`` none, ``"softplus"``, or
             a lower bound such as ``"-5"`` (the lower-bound gate).
         gates: ``"kda"`` or ``"gdn"``: the gates :data:`SCALAR_GATES` names are ``(B, T, H)``
@@ -144,10 +147,13 @@ def compile_op(
     if value_heads and value_heads != H:  # v, w, h0, do, dh on the value heads
         grouped = input_specs(mesh, B, T, value_heads, dk, dv, dtype=jnp.dtype(dtype),
                               scalar_gates=scalar)  # fmt: skip
-        specs = tuple(grouped[i] if i in (2, 3, 6, 7, 8) else x for i, x in enumerate(specs))
+        on_values = (2, 3, 4, 5, 6, 7, 8) if value_gates else (2, 3, 6, 7, 8)
+        specs = tuple(grouped[i] if i in on_values else x for i, x in enumerate(specs))
+    elif value_gates:
+        raise ValueError(f"value_gates: expected value_heads != H = {H}, got {value_heads}")
     replicated = NamedSharding(mesh, PartitionSpec())
     extra = (jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=replicated),) if segments else ()
-    fused = gate_keywords(gate, H, dk)
+    fused = gate_keywords(gate, value_heads if value_gates else H, dk)
     widen = gates.endswith("-broadcast")
     if mode in ("forward", "chunk-states"):
         more = {"return_chunk_states": True} if mode == "chunk-states" else {}

@@ -201,11 +201,13 @@ def estimate_main(args, config) -> int:
         for name, gates in variants:
             program = Program(name, mode, args.batch, args.seq_len, args.heads, args.dk, args.dv,
                               args.dtype, args.config, value_heads=args.value_heads,
+                              value_gates=args.value_gates,
                               segments=args.segment_ids, gate=args.gate,
                               gates=gates)  # fmt: skip
             rows[name, gates, mode] = row_of(program, args.tpu, config.bt)
         packed = (
             (f", HV={args.value_heads}" if args.value_heads else "")
+            + (" (b, g on the value heads)" if args.value_gates else "")
             + (", segment_ids" if args.segment_ids else "")
             + (f", gate {args.gate}" if args.gate else "")
             + (f", scalar gates as {args.gates.upper()}" if args.gates else "")

@@ -74,6 +74,11 @@ def _parser() -> argparse.ArgumentParser:
         "default 0: HV = H)",
     )
     p.add_argument(
+        "--value-gates",
+        action="store_true",
+        help="with --value-heads: b and g on the value heads too (Qwen3-Next's beta and decay)",
+    )
+    p.add_argument(
         "--segment-ids",
         action="store_true",
         help="with --estimate: the calls take segment_ids (packed sequences; compare with a run "
@@ -109,6 +114,9 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     args = p.parse_args(list(argv))
     if (args.segment_ids or args.value_heads or args.gate or args.gates) and not args.estimate:
         p.error("--segment-ids, --value-heads, --gate and --gates apply to --estimate only")
+    if args.value_gates and args.value_heads in (0, args.heads):
+        p.error(f"--value-gates: expected --value-heads other than -H {args.heads}, got "
+                f"{args.value_heads}")  # fmt: skip
     if args.gate not in ("", "softplus"):
         try:
             bound = float(args.gate)
