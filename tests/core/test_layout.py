@@ -197,6 +197,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "ops.family.convert",
         "ops.family.kda",
         "ops.family.gdn",
+        "ops.family.recurrent",
         "memory",
     ),
     # 7. the surfaces: the package, the backend authors' module, the layer, the command
@@ -286,7 +287,8 @@ def test_the_operator_is_most_of_the_core():
     the small helpers are the rest. The conformance kit is a distribution of its own."""
     operator_modules = {m for names in LAYERS[:5] for m in names} | {"ops.dispatch"}
     operator_modules |= {"ops.forward.api", "ops.decode.api", "ops.ragged.run", "ops.ragged.api"}
-    operator_modules |= {"ops.family.convert", "ops.family.kda", "ops.family.gdn"}
+    operator_modules |= {"ops.family.convert", "ops.family.kda", "ops.family.gdn",
+                         "ops.family.recurrent"}  # fmt: skip
     operator_modules -= {"platform", "install", "diagnostics"}
     mods = _core_modules()
     total = _lines(mods.values())

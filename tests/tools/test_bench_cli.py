@@ -257,7 +257,7 @@ def test_help_texts_show_every_default(capsys):
     tpu = _help(tpu_main, ["--help"], capsys)
     assert _description(tpu).endswith("the compiled HBM of its forward and train step."), tpu
     helps = _option_helps(tpu)
-    flags = {"-h", "--no-compile", "--estimate", "--segment-ids", "--table"}
+    flags = {"-h", "--no-compile", "--estimate", "--segment-ids", "--value-gates", "--table"}
     for option, text in helps.items():
         assert option in flags or "default" in text, (option, text)
     for option, default in (("--batch", 8), ("--seq-len", 4096), ("--heads", 6), ("--dk", 128)):
