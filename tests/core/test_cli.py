@@ -25,7 +25,7 @@ def test_info_lists_every_backend_with_its_verdict_here(capsys, monkeypatch):
     assert jax_row.rstrip().endswith(f"features: segment_ids, cu_seqlens, {core}")
     pallas_row = next(ln for ln in out.splitlines() if ln.startswith("pallas_tpu"))
     assert pallas_row.rstrip().endswith(
-        "fused activations, scalar gates, grouped value heads (core)"
+        "fused activations, scalar gates, grouped value heads (core, keys read grouped)"
     )
     assert (
         "pallas_tpu (gdn2-pallas-tpu): (1) runs on tpu, this call on cpu; KernelConfig(interpret=True)"

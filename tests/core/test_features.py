@@ -325,6 +325,53 @@ def test_refusals_name_the_argument(plain_only):
     gdn2_forward(*repeated.args, backend="plain_only")  # repeated keys keep dv = 8
 
 
+class GroupedKeysRef(ReferenceBackend):
+    """The reference backend declaring ``grouped_keys`` (it repeats q, k itself), recording what
+    it receives."""
+
+    name = "grouped_keys_ref"
+    capabilities = ReferenceBackend.capabilities.model_copy(update={"grouped_keys": True})
+    seen: list = []  # noqa: RUF012 - (spec, q's heads) of every call
+
+    def forward(self, q, k, v, w, b, g, h0, *, spec, config, extras=None):
+        GroupedKeysRef.seen.append((spec, q.shape[2]))
+        return super().forward(q, k, v, w, b, g, h0, spec=spec, config=config, extras=extras)
+
+
+@pytest.mark.parametrize(
+    ("gate_heads", "packing", "want"),
+    [
+        (GateHeads.VALUE, {"B": 2}, (3, 2)),  # repeated keys: q, k as given, key_groups = G
+        (GateHeads.VALUE, {"seqlens": (3, 0, 6)}, (1, 6)),  # cu_seqlens: repeated by the core
+        (GateHeads.KEY, {"B": 2}, (1, 2)),  # shared keys: nothing to repeat
+    ],
+    ids=["repeated-keys", "cu_seqlens", "shared-keys"],
+)
+def test_grouped_keys_reach_a_backend_that_reads_them(gate_heads, packing, want):
+    """A backend with ``Capabilities.grouped_keys`` gets q, k of their own H heads under repeated
+    keys (``spec.key_groups = G``), repeated ones with cu_seqlens; its dq, dk (summed over each
+    group by autodiff of its own repeat) and outputs are the reference's (the same token-serial
+    arithmetic in float32: 1e-5)."""
+    register_backend(GroupedKeysRef(), replace=True)
+    try:
+        case = FeatureCase(T=9, H=2, dk=4, dv=3, groups=3, gate_heads=gate_heads, seed=3,
+                           **packing)  # fmt: skip
+        x = make_feature_inputs(case)
+        got = outputs_and_grads(
+            op_function(gdn2_forward_trainable, x, backend=GroupedKeysRef.name), x
+        )
+        ref = outputs_and_grads(op_function(gdn2_token_serial_reference, x), x)
+        names = ("o", "h_final", *x.grad_names)
+        flat = lambda r: (r[0], r[1], *r[2])  # noqa: E731
+        for name, a, e in zip(names, flat(got), flat(ref), strict=True):
+            assert rel_err(a, e) < 1e-5, name
+        spec, heads = GroupedKeysRef.seen[-1]
+        assert (spec.key_groups, heads) == want
+    finally:
+        unregister_backend(GroupedKeysRef.name)
+        GroupedKeysRef.seen.clear()
+
+
 def test_memory_estimate_of_a_grouped_call_is_that_of_the_plain_call():
     grouped = OpSpec(1, 256, 4, 64, 64, "float32", 0.125, value_heads=8)  # b, g on key heads
     plain = OpSpec(1, 256, 4, 64, 128, "float32", 0.125)
@@ -337,6 +384,8 @@ def test_capabilities_describe_the_features():
     assert "features: segment_ids, fused activations" in caps.describe()
     core = "features: grouped value heads (core), activations (core, XLA)"
     assert Capabilities().describe().endswith(core)
+    grouped = "features: grouped value heads (core, keys read grouped)"
+    assert grouped in Capabilities(grouped_keys=True).describe()
 
 
 def test_op_extras_is_a_pytree():

@@ -41,6 +41,23 @@ if jax.device_count() < 8:
 
 REF = ReferenceBackend.name
 register_backend(ReferenceBackend(), replace=True)
+
+
+class GroupedKeys(ReferenceBackend):
+    """The reference declaring grouped keys: on a mesh the core repeats q, k for it all the same
+    (``seen``: the ``key_groups`` of its calls)."""
+
+    name = "grouped_keys_ref"
+    capabilities = ReferenceBackend.capabilities.model_copy(update={"grouped_keys": True})
+    seen: list = []  # noqa: RUF012
+
+    def forward(self, *args, spec, **kw):
+        GroupedKeys.seen.append(spec.key_groups)
+        return super().forward(*args, spec=spec, **kw)
+
+
+GROUPED = GroupedKeys.name
+register_backend(GroupedKeys(), replace=True)
 BACKENDS = [REF, "scan_baseline"]
 
 
@@ -88,15 +105,18 @@ def test_batch_head_sharding_with_all_features(backend):
 CP_ROWS = ((5, 14, 5, 12, 1, 11), (30, 18))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, GROUPED])
 def test_context_parallel_with_segments(backend):
     """Time over c (4 shards of 12), batch over d (2): sequences cross shard boundaries and start
-    exactly at them; with GVA (b, g on value heads) and the bounded gate."""
+    exactly at them; with GVA (b, g on value heads) and the bounded gate; a backend declaring
+    grouped keys gets them repeated per shard (the core's mesh path)."""
     case = FeatureCase(B=2, T=48, H=1, dk=8, dv=4, groups=2, gate_heads=GateHeads.VALUE,
                        rows=CP_ROWS, activations=ACTIVATION_CASES[1], seed=2)  # fmt: skip
     mesh = mesh_of((4, 2), ("c", "d"))
     x = place(make_feature_inputs(case), mesh, PartitionSpec("d", "c", None, None))
     check_sharded(x, backend, context_axis="c", batch_axes="d")
+    if backend == GROUPED:
+        assert GroupedKeys.seen and set(GroupedKeys.seen) == {1}, GroupedKeys.seen
 
 
 def test_varlen_head_sharding_and_context_refusal():

@@ -10,7 +10,8 @@ memory, one a write, from cores (or DMAs) not ordered by a semaphore are a race.
 :func:`no_races` turns into a failure naming the race; it also checks the interpreter's record
 (``races.races_found``) after a clean run. Each case needs two points of the parallel axes at
 least, so that both cores work (each case asserts it of its plan): B = 2, or two head groups
-(H = 10: hb = 5 head-major, H = 16: hb = 8 token-major), or two decode head blocks (HV = 64,
+(H = 10: hb = 5 head-major, H = 16: hb = 8 token-major, and 16 value heads reading 8 key
+heads, grouped keys), or two decode head blocks (HV = 64,
 d = 64: hb = 32).
 
 Every run is also checked against the token-serial reference (the conformance kit's float32
@@ -36,6 +37,7 @@ from jax.experimental.pallas import tpu as pltpu
 from gdn2_conformance import (
     DecodeCase,
     FeatureCase,
+    GateHeads,
     assert_close,
     decode_reference_outputs,
     make_decode_inputs,
@@ -295,6 +297,9 @@ CASES = {
         _check_train, _feature(B=2, T=150, H=2, activations=ACTIVATION_CASES[0], seed=7), 17,
     ),
     "train_gva_B2": (_check_train, _feature(B=2, T=150, H=2, groups=2, seed=8), 18),
+    "train_grouped_keys_two_head_groups": (  # q, k read from 8 key heads by 16 value heads
+        _check_train, _feature(T=150, H=8, groups=2, gate_heads=GateHeads.VALUE, seed=10), 20,
+    ),
     "decode_HV64_two_head_blocks": (
         _check_decode, DecodeCase(N=3, S=2, H=64, HV=64, dk=64, dv=64, P=5, seed=9), 19,
     ),

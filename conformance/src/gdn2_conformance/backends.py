@@ -6,7 +6,10 @@ construction (autodiff gradients, any shape, slow). Named only: ``backend="auto"
 
 from __future__ import annotations
 
+import dataclasses
+
 from gdn2core.backend import Backend, Capabilities
+from gdn2core.features.gva import repeat_keys_of
 from gdn2core.ops.decode.reference import gdn2_decode_reference
 from gdn2core.ops.forward.reference import token_serial
 
@@ -47,8 +50,12 @@ class ReferenceBackend(Backend):
             self.capabilities = capabilities
 
     def forward(self, q, k, v, w, b, g, h0, *, spec, config, extras=None):
-        """The reference's ``(o, h_final)`` (see :class:`~gdn2core.plugin.Backend`)."""
+        """The reference's ``(o, h_final)`` (see :class:`~gdn2core.plugin.Backend`); q, k of
+        ``spec.heads / spec.key_groups`` heads (``capabilities.grouped_keys``) repeated here."""
         del config
+        if spec.key_groups > 1:
+            q, k = repeat_keys_of(q, k, spec.key_groups)
+            spec = dataclasses.replace(spec, key_groups=1)
         return token_serial(spec, q, k, v, w, b, g, h0, extras)
 
     def decode(self, q, k, v, w, b, g, state, slots, *, spec, config):

@@ -60,6 +60,12 @@ class Capabilities(BaseModel):
             per head and token (b, g ``(B, T, H)``, w ``(B, T, H)``), and return their gradients
             in that shape; otherwise the core broadcasts them to their channels first
             (``gdn2core.features.scalar_gates``).
+        grouped_keys: under grouped value heads with b, g on the value heads ("repeated keys",
+            ``gdn2core.features.gva``), its ``forward``, ``forward_trainable`` and
+            ``forward_chunk_states`` take q, k with their own ``H`` heads (not repeated to ``HV``)
+            and return dq, dk in that shape; the spec it gets says so with ``key_groups = G``
+            (head ``j`` of the plain call reads key head ``j // G``). Not with ``cu_seqlens``
+            nor on a mesh (the core repeats them there).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -79,6 +85,7 @@ class Capabilities(BaseModel):
     continued: bool = False
     pooled: bool = False
     scalar_gates: bool = False
+    grouped_keys: bool = False
 
     def view(self, spec: OpSpec) -> OpSpec:
         """The spec this backend sees for a call of ``spec``: grouped value heads resolved
@@ -161,7 +168,10 @@ class Capabilities(BaseModel):
             )
             if on
         ]
-        features.append("grouped value heads (core)")  # the core groups or repeats the heads
+        # the core groups or repeats the heads; the backend reads repeated keys itself
+        features.append(
+            "grouped value heads (core" + (", keys read grouped)" if self.grouped_keys else ")")
+        )
         if not self.fused_activations:
             features.append("activations (core, XLA)")  # applied by the core before the call
         parts.append("features: " + ", ".join(features))
@@ -197,7 +207,8 @@ class Backend(abc.ABC):
     and :meth:`supports` before a method runs.
 
     Model features (``docs/backends.md``): grouped value heads are resolved by the core (a backend
-    sees ``spec.value_heads == spec.gate_heads == spec.heads``). With packed sequences
+    sees ``spec.value_heads == spec.gate_heads == spec.heads``; with ``Capabilities.grouped_keys``,
+    q and k may keep ``spec.heads / spec.key_groups`` heads). With packed sequences
     (``Capabilities.segments`` / ``varlen``) or fused activations (``fused_activations``) the core
     passes ``extras=`` (an :class:`~gdn2core.options.OpExtras`); with ``cu_seqlens``, B = 1 and h0,
     h_final are ``(N, H, dk, dv)``. With ``Capabilities.scalar_gates``, the gates that

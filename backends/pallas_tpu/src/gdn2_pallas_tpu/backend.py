@@ -16,6 +16,9 @@
   backward kernels read a ``(B, T, H)`` gate as ``(hb, nc C)`` float32 blocks, tokens in the lanes,
   and broadcast it over the channels in VMEM; its gradient leaves summed over them (blocks.py).
   The ``cu_seqlens`` row is built from full gates (broadcast here).
+- Grouped keys (``Capabilities.grouped_keys``): with b, g on the value heads of a grouped call,
+  q and k come with their own heads and the kernels read each value head's key head themselves
+  where the blocking allows, else they are repeated here (grouped_keys.py).
 - ``forward_chunk_states``: the inference forward kernel, also writing the state entering every
   chunk (``return_chunk_states``, prefix caching) as a blocked output of the kernel.
 - ``forward_pooled``: the ragged op's requests after its decodes on the forward kernel, which
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import jax
 
+from gdn2_pallas_tpu import grouped_keys
 from gdn2_pallas_tpu.config import PallasTpuConfig
 from gdn2_pallas_tpu.decode_plan import check_decode_plan, make_decode_plan
 from gdn2_pallas_tpu.plan import (
@@ -93,6 +97,7 @@ class PallasTpuBackend(Backend):
         chunk_states=True,
         pooled=True,
         scalar_gates=True,
+        grouped_keys=True,
     )
 
     def supports(self, spec: OpSpec, config: KernelConfig) -> Verdict:
@@ -124,8 +129,10 @@ class PallasTpuBackend(Backend):
 
         extras = OpExtras() if extras is None else extras
         act = spec.activations if spec.activations.any else None
+        groups, spec = spec.key_groups, grouped_keys.plain_spec(spec)
         plan = make_plan(spec, config, vmem_capacity_bytes(q), activations=act, chunk_states=True,
                          scalar_gates=spec.scalar_gates)  # fmt: skip
+        plan, q, k = grouped_keys.read_grouped(plan, q, k, groups)
         ex = vjp.Extras(A_log=extras.A_log, dt_bias=extras.dt_bias)
         o, h_final, chunks = vjp.gdn2_pallas_chunk_states(q, k, v, w, b, g, h0, plan, ex)
         dtype = h0.dtype
@@ -140,6 +147,9 @@ class PallasTpuBackend(Backend):
         extras = OpExtras() if extras is None else extras
         act = spec.activations if spec.activations.any else None
         capacity = vmem_capacity_bytes(q)
+        groups, spec = spec.key_groups, grouped_keys.plain_spec(spec)
+        if groups > 1 and spec.segments == SegmentMode.CU_SEQLENS:  # the core never does this
+            raise ValueError(f"key_groups={groups}: expected 1 with cu_seqlens")
         if spec.segments == SegmentMode.CU_SEQLENS:  # the chunk-aligned row takes full gates
             spec, w, b, g = broadcast_gates(spec, w, b, g)
             plan = varlen_plan(spec, config, capacity, act)
@@ -156,6 +166,7 @@ class PallasTpuBackend(Backend):
             segments = spec.segments == SegmentMode.IDS
             plan = make_plan(spec, config, capacity, segments=segments, activations=act,
                              scalar_gates=spec.scalar_gates)  # fmt: skip
+            plan, q, k = grouped_keys.read_grouped(plan, q, k, groups)
             ex = vjp.Extras(
                 segment_ids=extras.segment_ids if segments else None,
                 A_log=extras.A_log,

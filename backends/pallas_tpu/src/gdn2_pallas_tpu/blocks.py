@@ -17,6 +17,20 @@ prefetched chunk table passes them to every index map).
 
 Either way the kernel body sees units ``[U, C, d]`` (``U = hb nc``, unit ``= head * nc + chunk``).
 
+Grouped keys (``plan.key_groups = G > 1``, TOKEN_MAJOR only): q and k keep their ``H / G`` key
+heads, ``(B, t_pad, H / G, d)``; head ``j`` (a value head) reads key head ``j // G``. The ``hb``
+heads of step ``head_group`` read ``hb / G`` key heads, part ``head_group % G`` of the ``(nc C, hb,
+d)`` key block ``head_group // G`` (:meth:`TokenIO.key_specs`): one DMA of ``hb`` key heads, as
+for any token block, of which the step keeps its part and repeats each head ``G`` times in VMEM
+(:meth:`TokenIO.load_keys`). The kernels then read the same bytes as from keys repeated in HBM,
+without XLA writing (and reading back) that ``G`` times larger copy. The backward sums dq and dk
+over each group in VMEM and writes the step's ``hb / G`` key heads side by side in the lanes, one
+``(nc C, hb / G * d)`` block of a ``(B, t_pad, H / G * d)`` array (:func:`key_grad_spec`,
+:func:`store_key_grad`): a block of ``hb / G < 8`` heads of the ``(B, t_pad, H / G, d)`` array
+itself would not be a whole number of tiles. vjp.py reshapes it to the caller's q (a copy in
+XLA, of the summed gradient only); an XLA sum of per-head gradients ``(B, T, H, d)`` over the
+groups, as the tiled layout puts the group axis in the sublanes, estimates 5x slower.
+
 Scalar gates (one value per head and token, ``plan.scalar_gates``) come as ``(B, H / hb, n_steps,
 hb, nc C)`` float32, one dense ``(hb, nc C)`` block per step, tokens in the lanes
 (:func:`scalar_spec`); the kernels broadcast them over the channels in VMEM
@@ -73,6 +87,34 @@ def _token_block_index(batch, head_group, step, *_, step_of: Callable):
     return (batch, step_of(step), head_group, I0)
 
 
+def _key_block_index(batch, head_group, step, *_, step_of: Callable, groups: int):
+    """Grouped keys: the ``(nc C, hb, d)`` key block holding the key heads of ``head_group``."""
+    return (batch, step_of(step), jax.lax.div(head_group, np.int32(groups)), I0)
+
+
+def _key_grad_index(batch, head_group, step, *_, step_of: Callable):
+    """Grouped keys: the step's ``hb / G`` key heads' lanes of a ``(B, t_pad, H / G * d)`` gradient."""
+    return (batch, step_of(step), head_group)
+
+
+def key_grad_spec(plan: Plan, step_of: Callable, d: int) -> pl.BlockSpec:
+    """dq or dk under grouped keys: ``(nc C, hb / G * d)`` (module docstring)."""
+    index = functools.partial(_key_grad_index, step_of=step_of)
+    return pl.BlockSpec((None, plan.step_len, plan.hb // plan.key_groups * d), index)
+
+
+def store_key_grad(x: jax.Array, ref, plan: Plan) -> None:
+    """Units ``x`` [U, C, d] of the step's heads, summed over each key head's ``G`` heads (in
+    float32), written as the ``(nc C, hb / G * d)`` block of :func:`key_grad_spec`."""
+    G, d = plan.key_groups, x.shape[-1]
+    n = plan.hb // G  # key heads of the step
+    heads = x.reshape(n, G, plan.step_len, d)  # [n, G, nc C, d]
+    sums = heads[:, 0]
+    for i in range(1, G):
+        sums = sums + heads[:, i]  # [n, nc C, d]
+    ref[...] = jnp.concatenate([sums[j] for j in range(n)], axis=1).astype(ref.dtype)
+
+
 def _state_index(batch, head_group, step, *_):
     """The ``hb`` consecutive heads' ``[K, V]`` states of a head group (contiguous)."""
     return (batch, head_group, I0, I0)
@@ -106,6 +148,15 @@ class TokenIO:
         index = functools.partial(_token_block_index, step_of=self.step_of)
         return [pl.BlockSpec((None, plan.step_len, plan.hb, d), index)]
 
+    def key_specs(self, d: int) -> list[pl.BlockSpec]:
+        """q and k: :meth:`in_specs`, or with grouped keys the key block of the step's key heads
+        (module docstring)."""
+        plan = self.plan
+        if plan.key_groups == 1:
+            return self.in_specs(d)
+        index = functools.partial(_key_block_index, step_of=self.step_of, groups=plan.key_groups)
+        return [pl.BlockSpec((None, plan.step_len, plan.hb, d), index)]
+
     def out_spec(self, d: int) -> pl.BlockSpec:
         if self.head_major:
             return pl.BlockSpec(memory_space=pl.ANY)  # written by manual DMAs
@@ -130,6 +181,21 @@ class TokenIO:
             x = jnp.stack([ref[...] for ref in refs])  # [hb, nc C, d]
         else:
             x = jnp.swapaxes(refs[0][...], 0, 1)  # [nc C, hb, d] -> [hb, nc C, d]
+        return x.astype(F32).reshape(plan.units, plan.C, d)
+
+    def load_keys(self, refs: Sequence, d: int, head_group) -> jax.Array:
+        """q or k as float32 units ``[U, C, d]``: :meth:`load`, or with grouped keys the step's
+        part of its key block, each key head repeated for its ``G`` heads (module docstring)."""
+        plan, G = self.plan, self.plan.key_groups
+        if G == 1:
+            return self.load(refs, d)
+        x = jnp.swapaxes(refs[0][...], 0, 1)  # [hb, nc C, d]: hb key heads
+        n = plan.hb // G  # key heads of this step
+        part = jax.lax.rem(head_group, np.int32(G))
+        mine = x[:n]  # [n, nc C, d]
+        for i in range(1, G):
+            mine = jnp.where(part == i, x[i * n : (i + 1) * n], mine)
+        x = jnp.stack([mine[j // G] for j in range(plan.hb)])  # [hb, nc C, d]
         return x.astype(F32).reshape(plan.units, plan.C, d)
 
     def store(self, x: jax.Array, out, stage, sems, batch, head_group, step) -> list:

@@ -56,7 +56,7 @@ class BackwardRefs:
     state_in: object  # [hb, K, V] f32 saved state entering the step
     dh_final: object  # [hb, K, V] f32
     grads: tuple  # dq, dk, dv, dw, db, dg: in HBM (HEAD_MAJOR), or [nc C, hb, d] blocks; a scalar
-    #   gate's gradient: its [hb, nc C] f32 block
+    #   gate's gradient: its [hb, nc C] f32 block; dq, dk with plan.key_groups: [nc C, hb / G * K]
     dh0: object  # [hb, K, V] f32
     d_gate: object | None  # [hb, 2, K] f32 this step's sums for dA_log, d dt_bias (plan.gate)
     seq_dh0: object | None  # [N, H, K, V] f32 in HBM: per-sequence dh0 (plan.varlen)
@@ -84,7 +84,7 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
     def _():
         r.dS[...] = r.dh_final[...]
 
-    q, k = (io.load(x, K) for x in (r.q, r.k))  # [U, C, K]
+    q, k = (io.load_keys(x, K, head_group) for x in (r.q, r.k))  # [U, C, K]
     b, g_raw = (blocks.load_gate(x, io, K, plan.scalar(n)) for n, x in (("b", r.b), ("g", r.g)))
     v, dO = (io.load(x, V) for x in (r.v, r.dO))  # [U, C, V]
     w = blocks.load_gate(r.w, io, V, plan.scalar("w"))  # [U, C, V]
@@ -204,6 +204,9 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
         if plan.scalar(GATE_OF_GRAD.get(GRAD_NAMES[m], "")):  # summed over the channels
             blocks.store_scalar(x, out, plan)
             continue
+        if m < 2 and plan.key_groups > 1:  # dq, dk summed over each key head's group
+            blocks.store_key_grad(x, out, plan)
+            continue
         sems = None if r.sems is None else r.sems.at[jnp.int32(m)]
         copies += io.store(x, out, next(stages, None), sems, batch, head_group, step)
     if seqs is not None:  # the last step waits for the dh0 writes still in flight
@@ -223,6 +226,7 @@ def backward_call(
     step_of = blocks.reverse_step(plan.n_steps)
     io = blocks.TokenIO(plan, step_of)
     keys, vals = io.in_specs(K), io.in_specs(V)
+    qk = io.key_specs(K)  # q, k: of the key heads with plan.key_groups
     state = blocks.state_spec(plan)
     on = lambda flag, x: x if flag else None  # noqa: E731  (None: absent)
     dims = (K, K, V, V, K, K)
@@ -230,6 +234,10 @@ def backward_call(
     gate = lambda name, specs: [scalar] if plan.scalar(name) else specs  # noqa: E731
     is_scalar = [plan.scalar(GATE_OF_GRAD.get(n, "")) for n in GRAD_NAMES]
     grad_specs = [scalar if sc else io.out_spec(d) for sc, d in zip(is_scalar, dims, strict=True)]
+    grad_shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, w, b, g)]
+    if plan.key_groups > 1:  # dq, dk per key head, lane-dense (blocks.key_grad_spec)
+        grad_specs[:2] = [blocks.key_grad_spec(plan, step_of, K)] * 2
+        grad_shapes[:2] = [jax.ShapeDtypeStruct((B, plan.t_pad, q.shape[2] * K), q.dtype)] * 2
     grad_stages = [
         io.out_stage(d, q.dtype) for sc, d in zip(is_scalar, dims, strict=True) if not sc
     ]
@@ -237,8 +245,8 @@ def backward_call(
     packed = blocks.residual_spec(plan, plan.residual_block, step_of)  # T^T | A_qk
     entry = blocks.residual_spec(plan, (hb, K, V), step_of)  # step entry states
     kernel_refs = refs.Table(
-        refs.Input("q", keys, q),
-        refs.Input("k", keys, k),
+        refs.Input("q", qk, q),
+        refs.Input("k", qk, k),
         refs.Input("v", vals, v),
         refs.Input("w", gate("w", vals), w),
         refs.Input("b", gate("b", keys), b),
@@ -255,7 +263,7 @@ def backward_call(
         refs.Output(  # dq, dk, dv, dw, db, dg in the inputs' kernel layout (scalar gates: f32)
             "grads",
             grad_specs,
-            [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, w, b, g)],
+            grad_shapes,
         ),
         refs.Output("dh0", state, jax.ShapeDtypeStruct((B, H, K, V), F32)),
         refs.Output(  # per-step partial sums of dA_log and d dt_bias

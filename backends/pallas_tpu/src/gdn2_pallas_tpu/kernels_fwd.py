@@ -34,8 +34,8 @@ class ForwardRefs:
 
     table: object | None  # SMEM [3, n_chunks] int32 chunk table (plan.varlen, varlen.py), or
     #   [7, n_chunks] (plan.pooled, pooled.py); scalar-prefetched: the index maps may read it
-    q: tuple  # the step's tiles (blocks.TokenIO): hb x [nc C, K], or one [nc C, hb, K], or
-    #   nc x [C, hb, K] (plan.flat_tokens, flat_tokens.py)
+    q: tuple  # the step's tiles (blocks.TokenIO): hb x [nc C, K], or one [nc C, hb, K] (of key
+    #   heads with plan.key_groups), or nc x [C, hb, K] (plan.flat_tokens, flat_tokens.py)
     k: tuple
     v: tuple  # ... V
     w: tuple  # ... V, or one [hb, nc C] f32 block of a scalar gate (plan.scalar("w"))
@@ -111,7 +111,7 @@ def _step(r: ForwardRefs, plan: Plan, save: bool, flat: flat_tokens.FlatTokens |
     batch, head_group, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     K, V, p = plan.dk, plan.dv, plan.precisions
     if flat is None:
-        q, k = (io.load(x, K) for x in (r.q, r.k))  # [U, C, K]
+        q, k = (io.load_keys(x, K, head_group) for x in (r.q, r.k))  # [U, C, K]
         b, g = (blocks.load_gate(x, io, K, plan.scalar(n)) for n, x in (("b", r.b), ("g", r.g)))
         v, w = io.load(r.v, V), blocks.load_gate(r.w, io, V, plan.scalar("w"))  # [U, C, V]
     else:  # v, w as (T, HV, dv): G value heads per kernel head
@@ -214,6 +214,7 @@ def forward_call(
         flat_stage = pltpu.VMEM((G, plan.step_len, hb, V // G), v.dtype)  # FlatOutput's staging
     else:
         keys, vals = io.in_specs(K), io.in_specs(V)
+    qk = keys if plan.flat_tokens else io.key_specs(K)  # q, k: of the key heads (key_groups)
     state = blocks.state_spec(plan)
     on = lambda flag, x: x if flag else None  # noqa: E731  (None: absent)
     scalar = [blocks.scalar_spec(plan, step_of)]  # a scalar gate's (hb, nc C) block
@@ -225,8 +226,8 @@ def forward_call(
     entry = blocks.residual_spec(plan, (hb, K, V), step_of)  # step entry states
     kernel_refs = refs.Table(
         refs.Prefetch("table", table if plan.varlen else None),  # SMEM, seen by the index maps
-        refs.Input("q", keys, q),
-        refs.Input("k", keys, k),
+        refs.Input("q", qk, q),
+        refs.Input("k", qk, k),
         refs.Input("v", vals, v),
         refs.Input("w", gate("w", vals), w),
         refs.Input("b", gate("b", keys), b),

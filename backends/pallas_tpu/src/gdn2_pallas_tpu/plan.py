@@ -192,6 +192,8 @@ class Plan:
     chunk_states: bool = False  # the forward also writes the state entering every chunk
     scalar_gates: tuple[str, ...] = ()  # of "w", "b", "g": read as (hb, nc C) blocks, one value
     #   per head and token (blocks.scalar_spec); not with cu_seqlens or pooled requests
+    key_groups: int = 1  # heads per key head of q, k (grouped_keys.py): they keep heads /
+    #   key_groups heads and each step reads its own from one token block (blocks.TokenIO)
 
     def scalar(self, name: str) -> bool:
         """Whether the kernels read gate ``name`` (and write its gradient) as a scalar gate."""

@@ -55,7 +55,7 @@ CPU_MESSAGE = (
 class Residuals:
     """What the backward reads from the forward (token arrays in kernel layout, blocks.py)."""
 
-    q: jax.Array  # [B, H, t_pad, K] (HEAD_MAJOR) or [B, t_pad, H, K] (TOKEN_MAJOR)
+    q: jax.Array  # [B, H, t_pad, K] (HEAD_MAJOR) or [B, t_pad, H, K] (TOKEN_MAJOR; H / key_groups)
     k: jax.Array
     v: jax.Array  # ... V
     w: jax.Array  # ... V, or a scalar gate's [B, H / hb, n_steps, hb, nc C] f32 (blocks.py)
@@ -282,6 +282,8 @@ def _vjp_bwd(plan: Plan, saved, cotangents):
         table=_no_gradient(ex.table),
         seq_h0=d_seq_h0,
     )
+    if plan.key_groups > 1:  # dq, dk (B, t_pad, H / G * K) -> q's kernel layout
+        grads = [g.reshape(res.q.shape) if i < 2 else g for i, g in enumerate(grads)]
     return (*_from_kernel(plan, grads, res.q.dtype), dh0, d_ex)
 
 

@@ -12,6 +12,9 @@ reads key head ``j // G`` (fla's convention). b and g (and ``A_log``, ``dt_bias`
   h_final; o ``(B, T, H, G*dv) -> (B, T, HV, dv)`` is free.
 - b, g with ``HV`` heads ("repeated keys"): q and k are repeated to ``HV`` heads
   (``jnp.repeat``; their gradients sum over the group) and the call is plain with ``H' = HV``.
+  A backend with ``Capabilities.grouped_keys`` gets them unrepeated instead (``H`` heads, the
+  plain spec's ``key_groups = G``) and reads key head ``j // G`` for head ``j`` itself: no
+  ``(B, T, HV, dk)`` copies in HBM (:func:`group_call` with ``repeat_keys=False``).
 """
 
 from __future__ import annotations
@@ -41,12 +44,14 @@ def resolve_spec(spec: OpSpec) -> OpSpec:
     return dataclasses.replace(spec, heads=spec.value_heads)  # repeated keys
 
 
-def group_call(spec: OpSpec, q, k, v, w, h0):
+def group_call(spec: OpSpec, q, k, v, w, h0, repeat_keys: bool = True):
     """The inputs of the plain call of a grouped call (see the module docstring).
 
     Args:
         spec: the call's spec (GVA or not).
         q, k: ``(B, T, H, dk)``; v, w: ``(B, T, HV, dv)``; h0: ``(L, HV, dk, dv)``.
+        repeat_keys: repeat q, k to the value heads when b, g have ``HV`` heads (False: the
+            backend reads them grouped, ``Capabilities.grouped_keys``).
 
     Returns:
         ``(q, k, v, w, h0)`` of the plain call (b, g and the gate parameters need no change).
@@ -60,7 +65,14 @@ def group_call(spec: OpSpec, q, k, v, w, h0):
         w = w.reshape(bsz, seq, heads, G * dv)  # [B, T, H, G*dv]
         h0 = _group_state(h0, G)  # [L, H, dk, G*dv]
         return q, k, v, w, h0
-    return jnp.repeat(q, G, axis=2), jnp.repeat(k, G, axis=2), v, w, h0  # [B, T, HV, dk]
+    if not repeat_keys:
+        return q, k, v, w, h0
+    return (*repeat_keys_of(q, k, G), v, w, h0)
+
+
+def repeat_keys_of(q: jax.Array, k: jax.Array, G: int) -> tuple[jax.Array, jax.Array]:
+    """q, k ``(B, T, H, dk)`` repeated to ``(B, T, G H, dk)``: head ``j`` is key head ``j // G``."""
+    return jnp.repeat(q, G, axis=2), jnp.repeat(k, G, axis=2)  # [B, T, HV, dk]
 
 
 def ungroup_outputs(spec: OpSpec, o: jax.Array, h_final: jax.Array) -> tuple[jax.Array, jax.Array]:

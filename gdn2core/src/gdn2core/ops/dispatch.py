@@ -5,6 +5,7 @@ call. The public functions (:mod:`gdn2core.ops.forward.api`) validate and choose
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,7 @@ from gdn2core.backend import Backend, Verdict
 from gdn2core.checks import state_dtype
 from gdn2core.config import KernelConfig
 from gdn2core.features.activations import apply_activations
-from gdn2core.features.gva import group_call, ungroup_outputs, ungroup_state
+from gdn2core.features.gva import group_call, repeat_keys_of, ungroup_outputs, ungroup_state
 from gdn2core.features.scalar_gates import broadcast_gates
 from gdn2core.features.segments import as_int32_ids
 from gdn2core.ops.forward.spec import OpSpec
@@ -68,6 +69,10 @@ def run_backend(
         q, k, v, w, b, g = inputs
         view, w, b, g = broadcast_gates(view, w, b, g)
         inputs = (q, k, v, w, b, g)
+    if plan is not None and view.key_groups > 1:  # and q, k repeated to the value heads
+        q, k, v, w, b, g = inputs
+        inputs = (*repeat_keys_of(q, k, view.key_groups), v, w, b, g)
+        view = dataclasses.replace(view, key_groups=1)
     more = {} if backend_extras is None else {"extras": backend_extras}
     if chunk_states and plan is not None:
         raise ValueError(
@@ -120,7 +125,8 @@ def backend_inputs(backend: Backend, spec: OpSpec, args, h0, extras: OpExtras):
     """What the backend receives for a call: ``(view, (q, k, v, w, b, g), h0, extras | None)``:
     scalar gates broadcast unless it takes them (and w's always under grouped value heads, whose
     kernel heads have ``G * dv`` value channels), the activations applied in XLA unless it fuses
-    them, grouped value heads resolved, and the extras (None when the call has no packed
+    them, grouped value heads resolved (q, k not repeated for a backend that reads them grouped,
+    ``view.key_groups``), and the extras (None when the call has no packed
     sequences and no fused activations)."""
     q, k, v, w, b, g = args
     caps = backend.capabilities
@@ -137,7 +143,15 @@ def backend_inputs(backend: Backend, spec: OpSpec, args, h0, extras: OpExtras):
         A_log = dt_bias = None
     A_log = None if A_log is None else A_log.astype(acc)
     dt_bias = None if dt_bias is None else dt_bias.astype(acc)
-    gq, gk, gv, gw, gh0 = group_call(spec, q, k, v, w, h0)
+    grouped = (  # repeated keys that the backend reads grouped (Capabilities.grouped_keys)
+        caps.grouped_keys
+        and spec.groups > 1
+        and spec.gate_heads == spec.value_heads
+        and spec.segments != SegmentMode.CU_SEQLENS
+    )
+    gq, gk, gv, gw, gh0 = group_call(spec, q, k, v, w, h0, repeat_keys=not grouped)
+    if grouped:
+        view = dataclasses.replace(view, key_groups=spec.groups)
 
     backend_extras = None
     if view.segments != SegmentMode.NONE or view.activations.any:

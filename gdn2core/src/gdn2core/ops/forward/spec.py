@@ -52,6 +52,8 @@ class OpSpec:
     activations: Activations = NO_ACTIVATIONS
     continued: bool = False  # cu_seqlens pieces that continue a state (extras.continues)
     scalar_gates: tuple[str, ...] = ()  # of "w", "b", "g": given (B, T, heads), one per channel
+    key_groups: int = 1  # a backend's view only (Capabilities.grouped_keys): q, k come with
+    #   heads / key_groups heads, head j reading key head j // key_groups
 
     def __post_init__(self) -> None:
         if self.value_heads == 0:
@@ -64,6 +66,10 @@ class OpSpec:
             raise ValueError(
                 f"v: expected HV (value heads) a multiple of H={self.heads}, got HV="
                 f"{self.value_heads}"
+            )
+        if self.key_groups < 1 or self.heads % self.key_groups:
+            raise ValueError(
+                f"key_groups: expected a divisor of H={self.heads}, got {self.key_groups}"
             )
         if self.gate_heads not in (self.heads, self.value_heads):
             raise ValueError(
