@@ -19,15 +19,16 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import gdn2core
-from gdn2_conformance import rel_err
 from gdn2_tools.tpu import compile_for_tpu, topology_mesh
-from gdn2core import KernelConfig
 
-#: The conformance kit's float32 bounds: float32 products run as three bf16 passes (1.7e-5 on
-#: outputs, 2.2e-5 on gradients measured, docs/algorithm.md section 10).
-TOL_OUT, TOL_GRAD = 1e-4, 3e-4
-CONFIG = KernelConfig(bt=16, interpret=True)
-K = V = 64
+from .gate_cases import (
+    K,
+    V,
+    assert_chunk_states_match_reference,
+    assert_train_matches_reference,
+    gate_inputs,
+    gate_keywords,
+)
 
 #: name: (H, HV, T, scalar gates, keywords). H = 3: head-major tiles; H = 8: token-major blocks.
 CASES = {
@@ -39,30 +40,6 @@ CASES = {
                                "use_qk_l2norm_in_kernel": True}),
     "kda-grouped-values": (2, 4, 40, ("w", "b"), {}),  # w broadcast by the core (G dv channels)
 }  # fmt: skip
-
-
-def _inputs(H, HV, T, scalar, seed):
-    rng = np.random.default_rng(seed)
-
-    def arr(*shape, lo=-1.0, hi=1.0):
-        return jnp.asarray(rng.uniform(lo, hi, shape), jnp.float32)
-
-    q, k, v = arr(1, T, H, K), arr(1, T, H, K), arr(1, T, HV, V)
-    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    w = arr(1, T, HV, lo=0.05) if "w" in scalar else arr(1, T, HV, V, lo=0.05)
-    b = arr(1, T, H, lo=0.05) if "b" in scalar else arr(1, T, H, K, lo=0.05)
-    g = arr(1, T, H, lo=-1.5, hi=-0.01) if "g" in scalar else arr(1, T, H, K, lo=-1.5, hi=-0.01)
-    return (q, k, v, w, b, g), arr(1, HV, K, V), arr(1, T, HV, V), arr(1, HV, K, V)
-
-
-def _keywords(options, H, T):
-    kw = dict(options)
-    if kw.pop("segment_ids", False):
-        kw["segment_ids"] = jnp.asarray([[0] * 9 + [1] * 30 + [2] * (T - 39)], jnp.int32)
-    if kw.get("use_gate_in_kernel"):
-        kw["A_log"] = jnp.linspace(-1.0, 0.5, H).astype(jnp.float32)
-        kw["dt_bias"] = jnp.linspace(-0.5, 0.5, H * K).reshape(H, K).astype(jnp.float32)
-    return kw
 
 
 def _gate_broadcasts(fn, args, shapes) -> list:
@@ -86,47 +63,21 @@ def _gate_broadcasts(fn, args, shapes) -> list:
 @pytest.mark.parametrize("case", list(CASES))
 def test_scalar_gates_match_the_reference(case):
     H, HV, T, scalar, options = CASES[case]
-    args, h0, do, dh = _inputs(H, HV, T, scalar, len(case))
-    kw = _keywords(options, H, T)
-    params = {n: kw.pop(n) for n in ("A_log", "dt_bias") if n in kw}
-
-    def loss_of(fn, **more):
-        def loss(q, k, v, w, b, g, h0, params):
-            o, h = fn(q, k, v, w, b, g, h0=h0, **kw, **params, **more)
-            return jnp.sum(o * do) + jnp.sum(h * dh), (o, h)
-
-        return jax.value_and_grad(loss, argnums=tuple(range(8)), has_aux=True)
-
-    run = loss_of(gdn2core.gdn2_forward_trainable, backend="pallas_tpu", config=CONFIG)
-    (_, (o, h)), grads = jax.jit(run)(*args, h0, params)
-    with jax.default_matmul_precision("highest"):
-        (_, (o_r, h_r)), grads_r = loss_of(gdn2core.gdn2_token_serial_reference)(*args, h0, params)
-    assert rel_err(o, o_r) <= TOL_OUT and rel_err(h, h_r) <= TOL_OUT
-    names = ("dq", "dk", "dv", "dw", "db", "dg", "dh0")
-    for name, got, want in zip(names, grads[:7], grads_r[:7], strict=True):
-        assert got.shape == want.shape, name  # a scalar gate's gradient is (B, T, H)
-        assert rel_err(got, want) <= TOL_GRAD, name
-    for name in params:
-        assert rel_err(grads[7][name], grads_r[7][name]) <= TOL_GRAD, name
+    args, h0, do, dh = gate_inputs(H, HV, T, scalar, len(case))
+    run = assert_train_matches_reference(args, h0, do, dh, gate_keywords(options, H, T))
 
     # Nothing broadcast the scalar gates to their channels in XLA (but w under grouped value
     # heads: its kernel heads have G * dv channels, features/gva.py).
     full = {(1, T, H, K), (1, T, HV, V)}
-    broadcasts = _gate_broadcasts(lambda *a: run(*a, h0, params), args, full)
+    broadcasts = _gate_broadcasts(run, args, full)
     assert len(broadcasts) == (1 if HV != H else 0), broadcasts
 
 
 def test_chunk_states_with_scalar_gates():
     """The forward with chunk states reads the scalar gates too: every chunk's entry state is the
     reference's state after that prefix."""
-    args, h0, _, _ = _inputs(3, 3, 70, ("w", "b", "g"), 5)
-    o, h, chunks = gdn2core.gdn2_forward(*args, h0=h0, backend="pallas_tpu", config=CONFIG,
-                                         return_chunk_states=True)  # fmt: skip
-    o_r, h_r = gdn2core.gdn2_token_serial_reference(*args, h0=h0)
-    assert rel_err(o, o_r) <= TOL_OUT and rel_err(h, h_r) <= TOL_OUT
-    for i in (1, 3, chunks.shape[1] - 1):
-        _, h_i = gdn2core.gdn2_token_serial_reference(*(a[:, : 16 * i] for a in args), h0=h0)
-        assert rel_err(chunks[:, i], h_i) <= TOL_OUT, i
+    args, h0, _, _ = gate_inputs(3, 3, 70, ("w", "b", "g"), 5)
+    assert_chunk_states_match_reference(args, h0, (1, 3, 4))
 
 
 def _kernel_bytes(hlo: str) -> int:

@@ -28,12 +28,7 @@ def plain_spec(spec: OpSpec) -> OpSpec:
 def readable(plan: Plan, groups: int) -> bool:
     """Whether the kernels of ``plan`` can read q, k of ``plan.heads / groups`` key heads."""
     key_heads = plan.heads // groups
-    return (
-        plan.layout is Layout.TOKEN_MAJOR
-        and plan.hb % groups == 0
-        and key_heads % plan.hb == 0
-        and not plan.varlen
-    )
+    return plan.layout is Layout.TOKEN_MAJOR and plan.hb % groups == 0 and key_heads % plan.hb == 0
 
 
 def read_grouped(
