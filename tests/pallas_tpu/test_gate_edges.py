@@ -194,6 +194,55 @@ def test_chunk_math_masks_never_exponentiate_an_infinity():
         assert np.isfinite(np.asarray(F)).all() and (np.asarray(F) <= 1.0).all()
 
 
+def test_pair_decay_is_exact_and_finite_at_any_decay():
+    """A scalar decay's pair factors (chunk_math.PairDecay) in one chunk with packed sequences
+    (starts at rows 0, 3, 4 and 11), a full erase (g = -inf raised to G_FLOOR) and decays up to
+    -30 per token: no exp of an infinity; D is exp(Γ_r - Γ_s) of float64 NumPy for s < r in one
+    sequence and exactly 0 elsewhere (relative error within 4 float32 ulps of the largest |Γ|:
+    the float32 cumsums' rounding becomes exp's relative error; below float32's smallest normal
+    number, absolute); the scores from D equal those of the levels on the same g (float32
+    products at full precision; 1e-5 of the largest score: the two sum the same terms in other
+    orders)."""
+    from gdn2_pallas_tpu import chunk_math as cm
+    from gdn2_pallas_tpu.matmul import MatmulPrecision
+
+    C, K = 16, 128
+    q, k, v, w, b, _ = _unit_inputs(K, C)
+    w, b = kact._sigmoid(w), kact._sigmoid(b)
+    rng = np.random.default_rng(2)
+    g1 = -np.abs(rng.standard_normal(C)).astype(np.float32) * 30.0
+    g1[6] = -np.inf
+    g = cm.clamp_log_decay(jnp.asarray(np.broadcast_to(g1[None, :, None], (1, C, K))))
+    starts = np.zeros((1, C, 1), np.float32)
+    starts[0, [0, 3, 4, 11]] = 1.0
+    f32 = MatmulPrecision.F32
+
+    def local(q, k, v, w, b, g, starts):
+        seg = cm.Segments.from_starts(starts)
+        pair = cm.chunk_local(q, k, v, w, b, g, seg, scalar_decay=True)
+        lev = cm.chunk_local(q, k, v, w, b, g, seg)
+        scores = [cm.scores(x.E, q, k, x.levels, f32) for x in (pair, lev)]
+        return pair.levels.D, scores, seg.count
+
+    D, ((kk_p, qk_p), (kk_l, qk_l)), count = _audited(local, q, k, v, w, b, g, starts)
+    D, count = np.asarray(D)[0], np.asarray(count)[0, :, 0]
+    gamma = np.zeros(C)
+    for r in range(C):  # float64, restarting at every sequence start
+        gamma[r] = max(float(g1[r]), G_FLOOR) + (
+            gamma[r - 1] if r and count[r] == count[r - 1] else 0
+        )
+    r, s = np.indices((C, C))
+    pairs = (s < r) & (count[r] == count[s])
+    want = np.where(pairs, np.exp(np.where(pairs, gamma[r] - gamma[s], 0.0)), 0.0)
+    assert np.all(D[~pairs] == 0.0)
+    f32_eps, tiny = np.finfo(np.float32).eps, np.finfo(np.float32).tiny
+    rtol = 4 * f32_eps * np.abs(gamma).max()
+    np.testing.assert_allclose(D[pairs], want[pairs], rtol=rtol, atol=tiny)
+    for pair, lev in ((kk_p, kk_l), (qk_p, qk_l)):
+        pair, lev = np.asarray(pair), np.asarray(lev)
+        assert np.abs(pair - lev).max() <= 1e-5 * np.abs(lev).max()
+
+
 # --- the kernels' activation code -----------------------------------------------------------
 
 

@@ -1,5 +1,7 @@
 """Scalar gates on pallas_tpu: b, w (KDA's beta) and g (GDN's decay) read as ``(B, T, H)`` by the
-kernels, broadcast over the channels in VMEM, their gradients summed over the channels there.
+kernels, broadcast over the channels in VMEM, their gradients summed over the channels there; a
+scalar decay (not activated in the kernels) gives each pair of a chunk one factor
+(``Plan.scalar_decay``, chunk_math.PairDecay) instead of the decay levels.
 
 Interpret mode against the token-serial reference on the same scalar inputs (the reference
 broadcasts them; autodiff sums the channels' gradients), in both token layouts, with a padded last
@@ -35,6 +37,7 @@ CASES = {
     "kda-head-major-padded": (3, 3, 70, ("w", "b"), {}),
     "gdn-token-major": (8, 8, 64, ("w", "b", "g"), {}),
     "gdn-segments": (2, 2, 70, ("w", "b", "g"), {"segment_ids": True}),
+    "gdn-strong-decay": (2, 2, 50, ("w", "b", "g"), {"decay_scale": 20.0}),  # to -30 per token
     "gdn-fused-activations": (2, 2, 50, ("w", "b", "g"),
                               {"use_bw_sigmoid_in_kernel": True, "use_gate_in_kernel": True,
                                "use_qk_l2norm_in_kernel": True}),
@@ -63,7 +66,10 @@ def _gate_broadcasts(fn, args, shapes) -> list:
 @pytest.mark.parametrize("case", list(CASES))
 def test_scalar_gates_match_the_reference(case):
     H, HV, T, scalar, options = CASES[case]
+    options = dict(options)
     args, h0, do, dh = gate_inputs(H, HV, T, scalar, len(case))
+    if "decay_scale" in options:  # g is the last input
+        args = (*args[:5], args[5] * options.pop("decay_scale"))
     run = assert_train_matches_reference(args, h0, do, dh, gate_keywords(options, H, T))
 
     # Nothing broadcast the scalar gates to their channels in XLA (but w under grouped value
@@ -71,6 +77,27 @@ def test_scalar_gates_match_the_reference(case):
     full = {(1, T, H, K), (1, T, HV, V)}
     broadcasts = _gate_broadcasts(run, args, full)
     assert len(broadcasts) == (1 if HV != H else 0), broadcasts
+
+
+def test_a_scalar_decay_takes_one_factor_per_pair():
+    """The plan takes the pair factors for a scalar g, but not for a full g nor with the fused
+    gate (whose dt_bias may differ by channel, and then so does the activated g)."""
+    from gdn2_pallas_tpu.plan import make_plan
+    from gdn2core import KernelConfig
+    from gdn2core.ops.forward.spec import OpSpec
+    from gdn2core.options import Activations, GateMode
+
+    x, s = jnp.zeros((1, 64, 2, K)), jnp.zeros((1, 64, 2))
+    config = KernelConfig(interpret=True)
+    spec = OpSpec.from_inputs(x, x, x, s, s, s, None, None)
+    assert spec.scalar_gates == ("w", "b", "g")
+    assert make_plan(spec, config, scalar_gates=spec.scalar_gates).scalar_decay
+    assert not make_plan(spec, config, scalar_gates=("w", "b")).scalar_decay
+    gate = Activations(gate=GateMode.SOFTPLUS)
+    fused = make_plan(spec, config, activations=gate, scalar_gates=spec.scalar_gates)
+    assert not fused.scalar_decay
+    l2 = make_plan(spec, config, activations=Activations(qk_l2norm=True), scalar_gates=("g",))
+    assert l2.scalar_decay
 
 
 def test_chunk_states_with_scalar_gates():

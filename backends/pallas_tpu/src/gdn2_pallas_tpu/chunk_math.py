@@ -17,6 +17,11 @@ diagonal itself has factor ``exp(0) = 1``. No exponent is ever positive, there i
 result is exact up to underflow at any decay strength. The same per-level factors give the two
 backward contractions (rho, kappa) as ``L`` products each.
 
+A scalar decay (GDN's: one log decay per head and token, the same on every channel) needs no
+levels: every pair's factor ``exp(Γ_r - Γ_s)`` is one number per pair, so a ``[C, C]`` matrix
+``D`` of them (:class:`PairDecay`, exponents ``<= 0``) scales the product of the undecayed
+operands: one stacked product per score matrix and per backward contraction.
+
 The WY inverse by the same levels: with ``T_l`` the inverse of the block-diagonal part of
 ``M = (1 + eps) I + A_kk`` in blocks of ``2^l`` rows, and ``A_l`` the pairs of level ``l``,
 ``T_(l+1) = T_l - T_l A_l T_l`` exactly (``A_l T_l A_l = 0``): ``2 L`` products.
@@ -34,7 +39,7 @@ from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 from gdn2_pallas_tpu.matmul import MatmulPrecision, mm, mm_nt, mm_tn
-from gdn2_pallas_tpu.plan import NUM_SUBLANES  # rows of a float32 vector register
+from gdn2_pallas_tpu.plan import NUM_LANES, NUM_SUBLANES  # a float32 vector register's shape
 
 F32 = jnp.float32
 #: A float32 zero for ``jnp.where``: a Python 0.0 would be a float64 constant inside the kernel
@@ -189,6 +194,37 @@ def merged_levels(gamma_cum: jax.Array, block: int) -> Level:
     return Level(None, F_row, 0, n_levels(block) - 1, F_col)
 
 
+@dataclasses.dataclass(frozen=True)
+class PairDecay:
+    """A scalar decay's factor of every pair at once (the module docstring): ``D`` [U, C, C] is
+    ``exp(Γ_r - Γ_s)`` for ``s < r`` in the same sequence, 0 elsewhere (the diagonal of
+    ``A_qk``, factor 1, is formed apart)."""
+
+    D: jax.Array  # [U, C, C] float32
+
+
+def pair_decay(gamma_cum: jax.Array, seg: Segments | None = None) -> PairDecay:
+    """:class:`PairDecay` of Γ = ``gamma_cum`` [U, C, K], equal on every channel (a scalar
+    decay broadcast over them). ``Γ_s`` along the lanes comes from one transpose of Γ's first
+    lanes (with ``seg``, the rows' sequence counts ride in lane 1); a pair across a sequence
+    boundary gets its exponent masked to :data:`MASKED` before the exp, as in
+    :func:`decay_levels`."""
+    U, C, K = gamma_cum.shape
+    src = gamma_cum[:, :, : min(K, NUM_LANES)]  # [U, C, lanes] Γ_r on every lane
+    if seg is not None:
+        src = jnp.where(iota(src.shape, 2) == 1, seg.count.astype(F32), src)
+    cols = jnp.swapaxes(src, 1, 2)  # [U, lanes, C]: row 0 Γ_s, row 1 the count of row s
+    expo = gamma_cum[:, :, :1] - cols[:, :1, :]  # [U, C, C] Γ_r - Γ_s
+    keep = iota((U, C, C), 1) > iota((U, C, C), 2)  # [U, C, C] s < r
+    if seg is not None:
+        keep = keep & (seg.count.astype(F32) == cols[:, 1:2, :])
+    return PairDecay(jnp.exp(jnp.where(keep, expo, MASKED)))
+
+
+#: The factors of a chunk's pairs: its levels, or one matrix of a scalar decay.
+Decay = list[Level] | PairDecay
+
+
 def decay_levels(
     gamma_cum: jax.Array, g: jax.Array, seg: Segments | None = None, block: int = 1
 ) -> list[Level]:
@@ -237,7 +273,7 @@ class ChunkLocal:
     E_bar: jax.Array  # exp(Γ) ⊙ E [U, C, K]
     Q_tilde: jax.Array  # exp(Γ) ⊙ q [U, C, K]
     K_tilde: jax.Array  # exp(Γ_C - Γ) ⊙ k [U, C, K]
-    levels: list[Level]
+    levels: Decay
 
     @property
     def decay_C_col(self) -> jax.Array:
@@ -250,9 +286,12 @@ def clamp_log_decay(g: jax.Array) -> jax.Array:
     return jnp.maximum(g, G_FLOOR)
 
 
-def chunk_local(q, k, v, w, b, g, seg: Segments | None = None, block: int = 1) -> ChunkLocal:
+def chunk_local(
+    q, k, v, w, b, g, seg: Segments | None = None, block: int = 1, scalar_decay: bool = False
+) -> ChunkLocal:
     """F1-F3 and the decay levels for [U, C, d] float32 inputs (``g`` already clamped); ``block``:
-    the rows whose levels merge (a bounded gate, :func:`decay_levels`).
+    the rows whose levels merge (a bounded gate, :func:`decay_levels`); ``scalar_decay``: ``g``
+    is the same on every channel, and the pairs take one :class:`PairDecay` instead.
 
     With ``seg`` (packed sequences): Γ restarts at every sequence start; exp(Γ) (the decay from
     the chunk's entry state) is 0 on rows after a start in the chunk, exp(Γ_C - Γ) (to the
@@ -280,16 +319,24 @@ def chunk_local(q, k, v, w, b, g, seg: Segments | None = None, block: int = 1) -
         E_bar=e_gamma * E,  # F3
         Q_tilde=e_gamma * q,
         K_tilde=e_tail * k,
-        levels=decay_levels(gamma_cum, g, seg, block),
+        levels=pair_decay(gamma_cum, seg)
+        if scalar_decay
+        else decay_levels(gamma_cum, g, seg, block),
     )
 
 
 def scores(
-    E: jax.Array, q: jax.Array, k: jax.Array, levels: list[Level], precision: MatmulPrecision
+    E: jax.Array, q: jax.Array, k: jax.Array, levels: Decay, precision: MatmulPrecision
 ) -> tuple[jax.Array, jax.Array]:
     """F4: ``A_kk`` [U, C, C] (strictly lower) and ``A_qk`` [U, C, C] (lower, diagonal included),
-    one stacked product per level."""
+    one stacked product per level (one in all for a :class:`PairDecay`)."""
     U, C, _ = k.shape
+    eye = iota((C, C), 0) == iota((C, C), 1)
+    diag = jnp.sum(q * k, axis=2, keepdims=True)  # [U, C, 1] the self pairs, factor 1
+    if isinstance(levels, PairDecay):
+        pairs = mm_nt(jnp.concatenate([E, q], axis=1), k, precision)  # [U, 2C, C]
+        A_qk = pairs[:, C:] * levels.D  # [U, C, C]
+        return pairs[:, :C] * levels.D, jnp.where(eye, diag, A_qk)
     A_kk = jnp.zeros((U, C, C), F32)
     A_qk = jnp.zeros((U, C, C), F32)
     for lv in levels:
@@ -299,8 +346,7 @@ def scores(
         here = lv.pairs(C)  # [C, C]
         A_kk = jnp.where(here, pairs[:, :C], A_kk)
         A_qk = jnp.where(here, pairs[:, C:], A_qk)
-    eye = iota((C, C), 0) == iota((C, C), 1)
-    return A_kk, jnp.where(eye, jnp.sum(q * k, axis=2, keepdims=True), A_qk)
+    return A_kk, jnp.where(eye, diag, A_qk)
 
 
 def wy_inverse(A_kk: jax.Array, wy_eps: float, precision: MatmulPrecision) -> jax.Array:
@@ -331,12 +377,20 @@ def score_backward(
     q: jax.Array,
     k: jax.Array,
     E: jax.Array,
-    levels: list[Level],
+    levels: Decay,
     precision: MatmulPrecision,
 ) -> ScoreGrads:
     """B7 by levels: ``rho(P, Y)_r = sum_(s<r) P_rs Y_s exp(Γ_r - Γ_s)`` and
-    ``kappa(P, X)_s = sum_(r>s) P_rs X_r exp(Γ_r - Γ_s)``, two stacked products per level."""
+    ``kappa(P, X)_s = sum_(r>s) P_rs X_r exp(Γ_r - Γ_s)``, two stacked products per level (two
+    in all for a :class:`PairDecay`: ``P ⊙ D`` times the undecayed operands)."""
     U, C, K = k.shape
+    eye = iota((C, C), 0) == iota((C, C), 1)
+    diag_qk = jnp.sum(jnp.where(eye, P_qk, ZERO), axis=2, keepdims=True)  # [U, C, 1]
+    if isinstance(levels, PairDecay):
+        P = jnp.concatenate([P_qk * levels.D, P_kk * levels.D], axis=1)  # [U, 2C, C]
+        rho = mm(P, k, precision)  # [U, 2C, K]
+        dK_s = mm_tn(P, jnp.concatenate([q, E], axis=1), precision)  # [U, C, K]
+        return ScoreGrads(rho[:, :C], rho[:, C:], dK_s, diag_qk)
     dQ_s = jnp.zeros((U, C, K), F32)
     dE_s = jnp.zeros((U, C, K), F32)
     dK_s = jnp.zeros((U, C, K), F32)
@@ -349,6 +403,4 @@ def score_backward(
         dE_s = dE_s + row_f * rho[:, C:]
         X = jnp.concatenate([q * row_f, E * row_f], axis=1)  # [U, 2C, K]
         dK_s = dK_s + col_f * mm_tn(P, X, precision)  # [U, C, K]
-    eye = iota((C, C), 0) == iota((C, C), 1)
-    diag_qk = jnp.sum(jnp.where(eye, P_qk, ZERO), axis=2, keepdims=True)  # [U, C, 1]
     return ScoreGrads(dQ_s, dE_s, dK_s, diag_qk)

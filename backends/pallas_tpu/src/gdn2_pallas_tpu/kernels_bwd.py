@@ -96,7 +96,7 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
         q, k, b, w, g_in = x.q, x.k, x.b, x.w, x.g
     g = cm.clamp_log_decay(g_in)
     seg = None if r.starts is None else cm.Segments.from_starts(blocks.load_starts(r.starts, plan))
-    L = cm.chunk_local(q, k, v, w, b, g, seg, plan.merged_block)
+    L = cm.chunk_local(q, k, v, w, b, g, seg, plan.merged_block, plan.scalar_decay)
     TA = blocks.unpack_lanes(r.TA[...].astype(F32), plan)  # [U, C, C]
     rr, ss = cm.iota((C, C), 0), cm.iota((C, C), 1)
     A_qk = jnp.where(ss <= rr, TA, cm.ZERO)  # [U, C, C]

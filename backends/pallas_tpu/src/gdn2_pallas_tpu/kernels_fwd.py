@@ -130,7 +130,7 @@ def _step(r: ForwardRefs, plan: Plan, save: bool, flat: flat_tokens.FlatTokens |
         q, k, v, w, b, g = flat.mask(valid, q, k, v, w, b, g)
     g = cm.clamp_log_decay(g)  # [U, C, K]
     seg = None if r.starts is None else cm.Segments.from_starts(blocks.load_starts(r.starts, plan))
-    L = cm.chunk_local(q, k, v, w, b, g, seg, plan.merged_block)
+    L = cm.chunk_local(q, k, v, w, b, g, seg, plan.merged_block, plan.scalar_decay)
     A_kk, A_qk = cm.scores(L.E, q, k, L.levels, p.scores)  # [U, C, C] F4
     T = cm.wy_inverse(A_kk, plan.wy_eps, p.inverse)  # [U, C, C] F5
     if save:

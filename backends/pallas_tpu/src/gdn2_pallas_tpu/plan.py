@@ -226,6 +226,13 @@ class Plan:
         return self.fused and self.activations.gate != "none"
 
     @property
+    def scalar_decay(self) -> bool:
+        """The decay ``g`` is one value per head and token, the same on every channel, so each
+        pair of a chunk has one factor (chunk_math.PairDecay) and needs no levels. Not with the
+        fused gate: its ``dt_bias`` may differ by channel, and the activated ``g`` then does."""
+        return self.scalar("g") and not self.gate
+
+    @property
     def merged_block(self) -> int:
         """Rows of the blocks whose decay levels merge into one product (1: none).
 
