@@ -58,6 +58,20 @@ class GroupedKeys(ReferenceBackend):
 
 GROUPED = GroupedKeys.name
 register_backend(GroupedKeys(), replace=True)
+
+
+class ScalarGatesSpy(ReferenceBackend):
+    """The reference recording the shapes of the gates each per-shard call receives."""
+
+    name = "scalar_gates_spy_ref"
+    seen: list = []  # noqa: RUF012
+
+    def forward(self, q, k, v, w, b, g, *args, spec, **kw):
+        ScalarGatesSpy.seen.append((spec.scalar_gates, w.shape, b.shape, g.shape))
+        return super().forward(q, k, v, w, b, g, *args, spec=spec, **kw)
+
+
+register_backend(ScalarGatesSpy(), replace=True)
 BACKENDS = [REF, "scan_baseline"]
 
 
@@ -98,6 +112,37 @@ def test_batch_head_sharding_with_all_features(backend):
     mesh = mesh_of((2, 4), ("x", "y"))
     x = place(make_feature_inputs(case), mesh, PartitionSpec("x", None, "y", None))
     check_sharded(x, backend, batch_axes="x", head_axes="y")
+
+
+def _scalar_gates(x):
+    """``x`` with w, b, g as scalar gates ``(B, T, heads)`` (their first channel)."""
+    return dataclasses.replace(x, w=x.w[..., 0], b=x.b[..., 0], g=x.g[..., 0])
+
+
+def test_scalar_gates_reach_the_shards_as_they_are():
+    """KDA's and GDN's scalar gates (w, b, g as ``(B, T, H)``) under batch (2) and head (4)
+    sharding with packed sequences: each shard's backend call receives them unbroadcast, its
+    ``(B / 2, T, H / 4)`` part; o, h_final and every gradient match the single-device
+    reference. Under context parallelism (whose per-shard calls widen the value axis) the core
+    broadcasts them, with the same results."""
+    case = FeatureCase(B=2, T=24, H=4, dk=8, dv=4, rows=((3, 1, 9, 11), (12, 12)), seed=5)
+    mesh = mesh_of((2, 4), ("x", "y"))
+    x = _scalar_gates(make_feature_inputs(case))
+    tok, gate = PartitionSpec("x", None, "y", None), PartitionSpec("x", None, "y")
+    put = {n: jax.device_put(getattr(x, n), NamedSharding(mesh, tok)) for n in "qkv"}
+    put |= {n: jax.device_put(getattr(x, n), NamedSharding(mesh, gate)) for n in "wbg"}
+    ScalarGatesSpy.seen.clear()
+    check_sharded(dataclasses.replace(x, **put), ScalarGatesSpy.name, batch_axes="x",
+                  head_axes="y")  # fmt: skip
+    assert ScalarGatesSpy.seen, "the backend was not called"
+    assert set(ScalarGatesSpy.seen) == {(("w", "b", "g"), (1, 24, 1), (1, 24, 1), (1, 24, 1))}
+
+    case = FeatureCase(B=2, T=48, H=1, dk=8, dv=4, rows=CP_ROWS, seed=6)
+    x = _scalar_gates(make_feature_inputs(case))
+    ScalarGatesSpy.seen.clear()
+    check_sharded(x, ScalarGatesSpy.name, mesh=mesh_of((4, 2), ("c", "d")), context_axis="c",
+                  batch_axes="d")  # fmt: skip
+    assert ScalarGatesSpy.seen and {s[0] for s in ScalarGatesSpy.seen} == {()}
 
 
 #: Row 0: a sequence across the boundary at 12, starts exactly at the shard boundaries 24 and

@@ -163,3 +163,33 @@ def test_gdn_train_step_moves_fewer_bytes_on_v5e():
     assert scalar.count('custom_call_target="tpu_custom_call"') == 2
     ratio = _kernel_bytes(scalar) / _kernel_bytes(full)
     assert ratio <= 0.7, ratio
+
+
+@pytest.mark.tpu_compile
+def test_gdn_train_step_on_a_mesh_reads_scalar_gates_per_shard():
+    """Deviceless compile for 8 v5e chips, batch-sharded (B8 T256 H2 d128, bf16): the core hands
+    each shard's kernels its part of the scalar gates, ``(B / 8, T, H)`` read as the kernels'
+    ``(1, 1, n_steps, hb, nc C)`` float32 blocks, not broadcast to the channels."""
+    mesh = topology_mesh("v5e:2x4")
+    (axis,) = mesh.axis_names
+    B, T, H, D = 8, 256, 2, 128
+    x = jax.ShapeDtypeStruct(
+        (B, T, H, D), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec(axis))
+    )
+    s = jax.ShapeDtypeStruct(
+        (B, T, H), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec(axis))
+    )
+
+    def train(q, k, v, beta, g, do):
+        def loss(q, k, v, beta, g):
+            o, _ = gdn2core.chunk_gated_delta_rule(
+                q, k, v, g, beta, backend="pallas_tpu", mesh=mesh, batch_axes=axis
+            )
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, beta, g)
+
+    text = jax.jit(train).trace(x, x, x, s, s, x).lower(lowering_platforms=("tpu",)).compile()
+    text = text.as_text()
+    assert text.count('custom_call_target="tpu_custom_call"') == 2
+    assert "f32[1,1,1,2,256]" in text  # one step of 256 tokens, both heads

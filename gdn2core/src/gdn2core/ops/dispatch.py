@@ -65,7 +65,8 @@ def run_backend(
     user_h0 = h0
     view, inputs, h0, backend_extras = backend_inputs(backend, spec, args, h0, extras)
     plan = resolve_plan(view, placed, **sharding)
-    if plan is not None and view.scalar_gates:  # the per-shard call takes the full gates
+    if plan is not None and plan.context_axis is not None and view.scalar_gates:
+        # context parallelism widens the value axis of its per-shard calls: full gates there
         q, k, v, w, b, g = inputs
         view, w, b, g = broadcast_gates(view, w, b, g)
         inputs = (q, k, v, w, b, g)

@@ -98,9 +98,11 @@ def sharded_call(
     local = plan.local_spec(spec)
     _require(supports, local, plan)
     tok, st = plan.token_spec, plan.state_spec
+    # a scalar gate (B, T, H) splits as the token arrays without their channel axis
+    gates = tuple(PartitionSpec(*tok[:3]) if x.ndim == 3 else tok for x in (w, b, g))
     names, arrays, specs = _extras_args(plan, extras)
     q, k, v, w, b, g, h0, *arrays = reshard_explicit(
-        plan.mesh, (q, k, v, w, b, g, h0, *arrays), (tok, tok, tok, tok, tok, tok, st, *specs)
+        plan.mesh, (q, k, v, w, b, g, h0, *arrays), (tok, tok, tok, *gates, st, *specs)
     )
 
     def rebuild(local_arrays) -> dict:
@@ -117,7 +119,7 @@ def sharded_call(
             body,
             mesh=plan.mesh,
             axis_names=plan.used_axes,
-            in_specs=(tok, tok, tok, tok, tok, tok, st, *specs),
+            in_specs=(tok, tok, tok, *gates, st, *specs),
             out_specs=(tok, st),
             check_vma=check_vma,
         )
