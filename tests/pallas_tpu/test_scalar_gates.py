@@ -38,6 +38,7 @@ CASES = {
     "gdn-token-major": (8, 8, 64, ("w", "b", "g"), {}),
     "gdn-segments": (2, 2, 70, ("w", "b", "g"), {"segment_ids": True}),
     "gdn-strong-decay": (2, 2, 50, ("w", "b", "g"), {"decay_scale": 20.0}),  # to -30 per token
+    "gdn-cu-seqlens": (2, 2, 70, ("w", "b", "g"), {"cu_seqlens": (0, 9, 39, 70)}),
     "gdn-fused-activations": (2, 2, 50, ("w", "b", "g"),
                               {"use_bw_sigmoid_in_kernel": True, "use_gate_in_kernel": True,
                                "use_qk_l2norm_in_kernel": True}),
@@ -70,6 +71,11 @@ def test_scalar_gates_match_the_reference(case):
     args, h0, do, dh = gate_inputs(H, HV, T, scalar, len(case))
     if "decay_scale" in options:  # g is the last input
         args = (*args[:5], args[5] * options.pop("decay_scale"))
+    if "cu_seqlens" in options:  # h0, h_final per sequence
+        cu = options.pop("cu_seqlens")
+        options["cu_seqlens"] = jnp.asarray(cu, jnp.int32)
+        h0, dh = (jnp.concatenate([x] * (len(cu) - 1)) * jnp.arange(1.0, len(cu))[:, None, None, None]
+                  for x in (h0, dh))  # fmt: skip
     run = assert_train_matches_reference(args, h0, do, dh, gate_keywords(options, H, T))
 
     # Nothing broadcast the scalar gates to their channels in XLA (but w under grouped value

@@ -15,7 +15,7 @@
 - Scalar gates (``Capabilities.scalar_gates``, KDA's and GDN's beta and decay): the forward and
   backward kernels read a ``(B, T, H)`` gate as ``(hb, nc C)`` float32 blocks, tokens in the lanes,
   and broadcast it over the channels in VMEM; its gradient leaves summed over them (blocks.py).
-  The ``cu_seqlens`` row is built from full gates (broadcast here).
+  The ``cu_seqlens`` row moves them to its chunk-aligned positions as they are (varlen.py).
 - Grouped keys (``Capabilities.grouped_keys``): with b, g on the value heads of a grouped call,
   q and k come with their own heads and the kernels read each value head's key head themselves
   where the blocking allows, else they are repeated here (grouped_keys.py).
@@ -61,7 +61,6 @@ from gdn2core.plugin import (
     PoolRequests,
     SegmentMode,
     Verdict,
-    broadcast_gates,
     is_tpu_available,
     probe,
 )
@@ -150,8 +149,7 @@ class PallasTpuBackend(Backend):
         groups, spec = spec.key_groups, grouped_keys.plain_spec(spec)
         if groups > 1 and spec.segments == SegmentMode.CU_SEQLENS:  # the core never does this
             raise ValueError(f"key_groups={groups}: expected 1 with cu_seqlens")
-        if spec.segments == SegmentMode.CU_SEQLENS:  # the chunk-aligned row takes full gates
-            spec, w, b, g = broadcast_gates(spec, w, b, g)
+        if spec.segments == SegmentMode.CU_SEQLENS:  # the chunk-aligned row (varlen.py)
             plan = varlen_plan(spec, config, capacity, act)
             if trainable and extras.continues is not None:
                 raise ValueError(

@@ -191,7 +191,7 @@ class Plan:
     token_rows: int = 0  # pooled, token-major: the flat tokens the kernel reads (flat_tokens.py)
     chunk_states: bool = False  # the forward also writes the state entering every chunk
     scalar_gates: tuple[str, ...] = ()  # of "w", "b", "g": read as (hb, nc C) blocks, one value
-    #   per head and token (blocks.scalar_spec); not with cu_seqlens or pooled requests
+    #   per head and token (blocks.scalar_spec); not with pooled requests
     key_groups: int = 1  # heads per key head of q, k (grouped_keys.py): they keep heads /
     #   key_groups heads and each step reads its own from one token block (blocks.TokenIO)
 
@@ -446,7 +446,8 @@ def varlen_plan(spec: OpSpec, config: KernelConfig, vmem_capacity: int, activati
     (varlen.py), one batch row."""
     from gdn2_pallas_tpu import varlen
 
-    plan = make_plan(spec, config, vmem_capacity, activations=activations, n_seqs=spec.n_seqs)
+    plan = make_plan(spec, config, vmem_capacity, activations=activations, n_seqs=spec.n_seqs,
+                     scalar_gates=spec.scalar_gates)  # fmt: skip
     t_pad = varlen.padded_length(spec.seq_len, spec.n_seqs, plan.C, plan.step_len)
     return dataclasses.replace(plan, batch=1, seq_len=t_pad, n_seqs=spec.n_seqs)
 
