@@ -106,6 +106,28 @@ def test_op_matches_its_own_recurrence(op, option, gate_heads):
 
 
 @pytest.mark.parametrize("op", list(OPS))
+def test_float32_gates_beside_bfloat16_inputs(op):
+    """fla's layers pass g and beta in float32 beside bfloat16 q, k, v: the call takes them, as
+    the same call on g and beta rounded to bfloat16 first (exactly), and their gradients come
+    back in float32."""
+    chunked, _, _ = OPS[op]
+    (q, k, v, g, beta), h0, _, cot = _inputs(op, H, H, {}, b=1)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+
+    def run(g, beta):
+        o, h = chunked(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                       backend="jax_ref")  # fmt: skip
+        return jnp.sum(o.astype(jnp.float32) * cot[0]) + jnp.sum(h * cot[1]), (o, h)
+
+    (_, (o, h)), (dg, dbeta) = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(g, beta)
+    bf = jnp.bfloat16
+    _, (o_b, h_b) = run(g.astype(bf), beta.astype(bf))
+    assert o.dtype == bf and jnp.array_equal(o, o_b) and jnp.array_equal(h, h_b)
+    assert dg.dtype == dbeta.dtype == jnp.float32
+    assert float(jnp.abs(dg).max()) > 0 and float(jnp.abs(dbeta).max()) > 0
+
+
+@pytest.mark.parametrize("op", list(OPS))
 def test_fla_return_convention_state_layout_and_packed_sequences(op):
     """``final_state`` is None unless asked; ``state_v_first`` transposes the state in and out;
     ``cu_seqlens`` runs each sequence from its own state, as the recurrence run alone on it."""

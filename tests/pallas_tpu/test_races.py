@@ -11,7 +11,7 @@ memory, one a write, from cores (or DMAs) not ordered by a semaphore are a race.
 (``races.races_found``) after a clean run. Each case needs two points of the parallel axes at
 least, so that both cores work (each case asserts it of its plan): B = 2, or two head groups
 (H = 10: hb = 5 head-major, H = 16: hb = 8 token-major, and 16 value heads reading 8 key
-heads, grouped keys), or two decode head blocks (HV = 64,
+heads, grouped keys; H = 10 with scalar gates and cu_seqlens), or two decode head blocks (HV = 64,
 d = 64: hb = 32).
 
 Every run is also checked against the token-serial reference (the conformance kit's float32
@@ -274,6 +274,15 @@ def _check_decode(case: DecodeCase, config) -> None:
     )  # fmt: skip
 
 
+def _with_scalar_gates(check):
+    """``check`` on the inputs with w, b, g as scalar gates (their first channel)."""
+
+    def run(x, config) -> None:
+        check(dataclasses.replace(x, w=x.w[..., 0], b=x.b[..., 0], g=x.g[..., 0]), config)
+
+    return run
+
+
 def _feature(**kw) -> FeatureCase:
     return FeatureCase(**{"dk": 64, "dv": 64, **kw})
 
@@ -299,6 +308,10 @@ CASES = {
     "train_gva_B2": (_check_train, _feature(B=2, T=150, H=2, groups=2, seed=8), 18),
     "train_grouped_keys_two_head_groups": (  # q, k read from 8 key heads by 16 value heads
         _check_train, _feature(T=150, H=8, groups=2, gate_heads=GateHeads.VALUE, seed=10), 20,
+    ),
+    "train_scalar_gates_varlen_H10": (  # GDN's gates: the pair decay, the scalar blocks
+        _with_scalar_gates(_check_train),
+        _feature(T=2 * C + 7, H=10, seqlens=varlen_lengths(C), seed=11), 21,
     ),
     "decode_HV64_two_head_blocks": (
         _check_decode, DecodeCase(N=3, S=2, H=64, HV=64, dk=64, dv=64, P=5, seed=9), 19,

@@ -13,6 +13,11 @@ and ``allow_neg_eigval`` doubles it (both the erase and the write: there is one 
 here on the ``(B, T, Hg)`` beta; ``A_log``, ``dt_bias`` (``(Hg * dk,)`` as fla lays it out, or
 ``(Hg, dk)``; GDN's ``(Hg,)``), ``lower_bound`` and ``use_qk_l2norm_in_kernel`` go to the
 operator's fused activations; ``state_v_first`` transposes the states in and out.
+
+One deliberate difference: the GDN-2 call takes one dtype for q, k, v and the gates, so ``g`` and
+``beta`` are cast to q's (fla's layers compute them in float32 beside bfloat16 q, and fla's
+kernels keep ``g`` in float32; here a bfloat16 call rounds the log decays to bfloat16, and the
+gradients return in their own dtype).
 """
 
 from __future__ import annotations
@@ -111,6 +116,8 @@ def convert(op: str, q, k, v, g, beta, *, scalar_gate: bool, scale, initial_stat
     else:
         expect_shape("g", g.shape, (B, T, Hg, dk), "(B, T, Hg, dk) as beta")
 
+    if jnp.issubdtype(g.dtype, jnp.floating) and g.dtype != q.dtype:
+        g = g.astype(q.dtype)  # fla's layers compute g in float32 beside bf16 q: one dtype here
     if use_beta_sigmoid_in_kernel:  # on the scalar beta: one beta erases and writes
         acc = jnp.promote_types(beta.dtype, jnp.float32)  # the state dtype
         beta = jax.nn.sigmoid(beta.astype(acc)) * (2.0 if allow_neg_eigval else 1.0)
