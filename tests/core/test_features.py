@@ -5,6 +5,7 @@ and refusals that name the argument."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -394,3 +395,47 @@ def test_op_extras_is_a_pytree():
     assert len(leaves) == 2
     doubled = jax.jit(lambda e: dataclasses.replace(e, A_log=2 * e.A_log))(extras)
     assert float(doubled.A_log[0]) == 2.0 and doubled.cu_seqlens is None
+
+
+def test_per_head_dt_bias_with_a_scalar_decay():
+    """With a scalar g, ``dt_bias`` may be ``(Hg,)``, one bias per head: the result is the call on
+    it broadcast to ``(Hg, dk)`` (exactly, jax_ref and the reference), its gradient the sum of
+    that call's over the channels, and the spec records the gate as uniform over the channels.
+    With a full g it is refused, naming ``(Hg, dk)``."""
+    rng = np.random.default_rng(3)
+    B, T, H, K = 1, 20, 2, 8
+
+    def arr(*shape):
+        return jnp.asarray(rng.uniform(-1.0, 1.0, shape), jnp.float32)
+
+    q, k, v, w, b, g = (
+        arr(B, T, H, K),
+        arr(B, T, H, K),
+        arr(B, T, H, K),
+        arr(B, T, H),
+        arr(B, T, H),
+        arr(B, T, H),
+    )
+    A_log, bias = arr(H), arr(H)
+    full = jnp.broadcast_to(bias[:, None], (H, K))
+
+    def loss(op, dt_bias, **kw):
+        o, h = op(q, k, v, w, b, g, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, **kw)
+        return jnp.sum(o) + jnp.sum(h * h)
+
+    for op, kw in (
+        (gdn2_forward_trainable, {"backend": "jax_ref"}),
+        (gdn2_token_serial_reference, {}),
+    ):
+        run = functools.partial(loss, op, **kw)
+        per_head, d_head = jax.value_and_grad(run)(bias)
+        channels, d_full = jax.value_and_grad(run)(full)
+        assert per_head == channels and d_head.shape == (H,)
+        np.testing.assert_allclose(d_head, d_full.sum(axis=1), rtol=1e-6)
+    act = Activations(gate=GateMode.SOFTPLUS)
+    spec = OpSpec.from_inputs(q, k, v, w, b, g, activations=act, A_log=A_log, dt_bias=bias,
+                              per_head_dt_bias=True)  # fmt: skip
+    assert spec.uniform_gate
+    with pytest.raises(ValueError, match=r"dt_bias: expected shape \(Hg, dk\)"):
+        gdn2_forward(q, k, v, w, b, g[..., None] * jnp.ones(K), use_gate_in_kernel=True,
+                     A_log=A_log, dt_bias=bias, backend="jax_ref")  # fmt: skip

@@ -41,15 +41,19 @@ def gate_inputs(H, HV, T, scalar, seed, gate_heads=None):
 
 def gate_keywords(options, gate_heads, T):
     """The call's keywords from a case's options: ``segment_ids=True`` becomes sequences of 9, up
-    to 30 and the rest of the tokens; a fused gate gets ``A_log``, ``dt_bias`` on the gate heads."""
+    to 30 and the rest of the tokens; a fused gate gets ``A_log``, ``dt_bias`` on the gate heads
+    (``dt_bias_per_head=True``: ``(Hg,)``, else ``(Hg, dk)``)."""
     kw = dict(options)
     if kw.pop("segment_ids", False):
         ids = [0] * 9 + [1] * min(30, T - 9) + [2] * max(0, T - 39)
         kw["segment_ids"] = jnp.asarray([ids], jnp.int32)
+    per_head = kw.pop("dt_bias_per_head", False)  # (Hg,): one bias per head (a scalar g)
     if kw.get("use_gate_in_kernel"):
         kw["A_log"] = jnp.linspace(-1.0, 0.5, gate_heads).astype(jnp.float32)
         kw["dt_bias"] = (
-            jnp.linspace(-0.5, 0.5, gate_heads * K).reshape(gate_heads, K).astype(jnp.float32)
+            jnp.linspace(-0.5, 0.5, gate_heads).astype(jnp.float32)
+            if per_head
+            else jnp.linspace(-0.5, 0.5, gate_heads * K).reshape(gate_heads, K).astype(jnp.float32)
         )
     return kw
 

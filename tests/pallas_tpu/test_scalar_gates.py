@@ -42,6 +42,8 @@ CASES = {
     "gdn-fused-activations": (2, 2, 50, ("w", "b", "g"),
                               {"use_bw_sigmoid_in_kernel": True, "use_gate_in_kernel": True,
                                "use_qk_l2norm_in_kernel": True}),
+    "gdn-fused-gate-per-head": (2, 2, 50, ("w", "b", "g"),
+                                {"use_gate_in_kernel": True, "dt_bias_per_head": True}),
     "kda-grouped-values": (2, 4, 40, ("w", "b"), {}),  # w broadcast by the core (G dv channels)
 }  # fmt: skip
 
@@ -87,7 +89,8 @@ def test_scalar_gates_match_the_reference(case):
 
 def test_a_scalar_decay_takes_one_factor_per_pair():
     """The plan takes the pair factors for a scalar g, but not for a full g nor with the fused
-    gate (whose dt_bias may differ by channel, and then so does the activated g)."""
+    gate whose dt_bias may differ by channel (``(Hg, dk)``: then so does the activated g); with
+    a ``(Hg,)`` dt_bias it does."""
     from gdn2_pallas_tpu.plan import make_plan
     from gdn2core import KernelConfig
     from gdn2core.ops.forward.spec import OpSpec
@@ -104,6 +107,11 @@ def test_a_scalar_decay_takes_one_factor_per_pair():
     assert not fused.scalar_decay
     l2 = make_plan(spec, config, activations=Activations(qk_l2norm=True), scalar_gates=("g",))
     assert l2.scalar_decay
+    # dt_bias one per head: the activated g is the same on every channel
+    per_head = OpSpec.from_inputs(x, x, x, s, s, s, None, None, activations=gate,
+                                  A_log=jnp.zeros(2), dt_bias=jnp.zeros(2), per_head_dt_bias=True)  # fmt: skip
+    assert per_head.uniform_gate
+    assert make_plan(per_head, config, activations=gate, scalar_gates=("g",)).scalar_decay
 
 
 def test_chunk_states_with_scalar_gates():

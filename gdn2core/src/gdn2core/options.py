@@ -228,7 +228,7 @@ class FeatureArgs(TypedDict, total=False):
             dt_bias))`` (fla's safe gate).
         A_log: ``(Hg,)``, with ``use_gate_in_kernel``; differentiable.
         dt_bias: ``(Hg, dk)``, with ``use_gate_in_kernel`` (optional with ``lower_bound``: absent
-            means 0); differentiable.
+            means 0), or ``(Hg,)`` with a scalar ``g`` (one bias per head); differentiable.
         lower_bound: a static real number in ``[-5, 0)``: the bounded gate (only with
             ``use_gate_in_kernel``).
         use_bw_sigmoid_in_kernel: b and w are raw: ``b = sigmoid(b)``, ``w = sigmoid(w)``.

@@ -194,6 +194,7 @@ class Plan:
     #   per head and token (blocks.scalar_spec); not with pooled requests
     key_groups: int = 1  # heads per key head of q, k (grouped_keys.py): they keep heads /
     #   key_groups heads and each step reads its own from one token block (blocks.TokenIO)
+    uniform_gate: bool = False  # the fused gate's dt_bias is one per head (OpSpec.uniform_gate)
 
     def scalar(self, name: str) -> bool:
         """Whether the kernels read gate ``name`` (and write its gradient) as a scalar gate."""
@@ -228,9 +229,10 @@ class Plan:
     @property
     def scalar_decay(self) -> bool:
         """The decay ``g`` is one value per head and token, the same on every channel, so each
-        pair of a chunk has one factor (chunk_math.PairDecay) and needs no levels. Not with the
-        fused gate: its ``dt_bias`` may differ by channel, and the activated ``g`` then does."""
-        return self.scalar("g") and not self.gate
+        pair of a chunk has one factor (chunk_math.PairDecay) and needs no levels. With the fused
+        gate only when its ``dt_bias`` is one per head (``uniform_gate``): one per channel makes
+        the activated ``g`` differ by channel."""
+        return self.scalar("g") and (not self.gate or self.uniform_gate)
 
     @property
     def merged_block(self) -> int:
@@ -396,6 +398,7 @@ def make_plan(
             n_seqs=n_seqs,
             chunk_states=chunk_states,
             scalar_gates=tuple(scalar_gates),
+            uniform_gate=spec.uniform_gate and "g" in scalar_gates,
         )
         need = max(vmem_bytes(plan, False)["total"], vmem_bytes(plan, True)["total"])
         if need <= budget or (nc == 1 and hb == 1):

@@ -25,16 +25,19 @@ common dtype; it is differentiable in the raw inputs, ``A_log`` and ``dt_bias``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdn2core.options import A_LOG_RANGE, L2NORM_EPS, Activations, GateMode
+from gdn2core.options import A_LOG_RANGE, L2NORM_EPS, Activations, GateMode, OpExtras
 
 
-def check_gate_params(act: Activations, A_log: Any, dt_bias: Any, gate_heads: int, dk: int) -> None:
+def check_gate_params(
+    act: Activations, A_log: Any, dt_bias: Any, gate_heads: int, dk: int, per_head: bool = False
+) -> None:
     """Validate ``A_log`` and ``dt_bias`` against the activations of a call.
 
     Args:
@@ -44,6 +47,8 @@ def check_gate_params(act: Activations, A_log: Any, dt_bias: Any, gate_heads: in
             ``lower_bound``).
         gate_heads: Hg, the heads of b and g.
         dk: the key size.
+        per_head: ``dt_bias`` may also be ``(Hg,)``, one bias per head (a scalar ``g``, whose
+            activation is then the same on every channel; :func:`per_channel_bias`).
 
     Raises:
         ValueError: a parameter missing for the fused gate, given without it, or of the wrong
@@ -61,7 +66,10 @@ def check_gate_params(act: Activations, A_log: Any, dt_bias: Any, gate_heads: in
     mode = "softplus" if act.gate == GateMode.SOFTPLUS else "lower_bound"
     params = [("A_log", A_log, (gate_heads,), "(Hg,)")]
     if act.gate == GateMode.SOFTPLUS or dt_bias is not None:  # optional with lower_bound
-        params.append(("dt_bias", dt_bias, (gate_heads, dk), "(Hg, dk)"))
+        if per_head and getattr(dt_bias, "ndim", None) == 1:
+            params.append(("dt_bias", dt_bias, (gate_heads,), "(Hg,) (one bias per head)"))
+        else:
+            params.append(("dt_bias", dt_bias, (gate_heads, dk), "(Hg, dk)"))
     for name, x, shape, axes in params:
         if x is None:
             raise ValueError(
@@ -77,6 +85,19 @@ def check_gate_params(act: Activations, A_log: Any, dt_bias: Any, gate_heads: in
             raise ValueError(
                 f"{name}: expected shape {axes} = {shape} (Hg = heads of b and g), got {actual}"
             )
+
+
+def per_channel_dt_bias(dt_bias: Any, dk: int) -> Any:
+    """A per-head ``dt_bias`` ``(Hg,)`` broadcast to ``(Hg, dk)``; any other value as it is."""
+    if dt_bias is None or dt_bias.ndim != 1:
+        return dt_bias
+    return jnp.broadcast_to(dt_bias[:, None], (dt_bias.shape[0], dk))
+
+
+def per_channel_bias(extras: OpExtras, dk: int) -> OpExtras:
+    """``extras`` with its ``dt_bias`` in the ``(Hg, dk)`` form every backend takes (the spec
+    keeps that it was one per head: ``OpSpec.uniform_gate``)."""
+    return dataclasses.replace(extras, dt_bias=per_channel_dt_bias(extras.dt_bias, dk))
 
 
 def exp_cut(dtype: Any) -> float:

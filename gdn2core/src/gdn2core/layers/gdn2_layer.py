@@ -391,18 +391,22 @@ class GDN2Layer(nnx.Module):
         g = -jnp.exp(self.A_log[...])[:, None] * jax.nn.softplus(f)
         return w, b, g.astype(x.dtype)
 
-    def fused_options(self) -> dict:
+    def fused_options(self, per_head_bias: bool = False) -> dict:
         """The operator's fused-activation keywords of this layer: L2 norm of q, k, the sigmoids of
         b (``2 * sigmoid`` with ``lift_b``) and w, and the softplus decay gate with ``A_log`` and
-        ``dt_bias`` as ``(Hg, dk)`` (GDN's one bias per head broadcast over dk)."""
+        ``dt_bias`` as ``(Hg, dk)`` (GDN's one bias per head broadcast over dk), or with
+        ``per_head_bias`` GDN's as ``(Hg,)`` (for the chunked op on its scalar decay, whose
+        kernels then know the activated decay is the same on every channel)."""
         dt_bias = self.dt_bias[...]
-        if self.variant == "gdn":
+        if self.variant != "gdn":
+            dt_bias = dt_bias.reshape(self.gate_heads, self.dk)
+        elif not per_head_bias:
             dt_bias = jnp.broadcast_to(dt_bias[:, None], (self.gate_heads, self.dk))
         return dict(
             use_qk_l2norm_in_kernel=True,
             use_gate_in_kernel=True,
             A_log=self.A_log[...],
-            dt_bias=dt_bias.reshape(self.gate_heads, self.dk),
+            dt_bias=dt_bias,
             use_bw_sigmoid_in_kernel=True,
             allow_neg_eigval=self.lift_b,
         )
@@ -705,7 +709,7 @@ class GDN2Layer(nnx.Module):
             head_axes=self.head_axes,
             context_axis=self.context_axis,
             segment_ids=seg,
-            **self.fused_options(),
+            **self.fused_options(per_head_bias=True),
         )
         return self._output(x, o), h_final
 

@@ -133,9 +133,8 @@ def convert(op: str, q, k, v, g, beta, *, scalar_gate: bool, scale, initial_stat
     if use_gate_in_kernel:
         keywords.update(use_gate_in_kernel=True, A_log=A_log)
         if dt_bias is not None:
-            if scalar_gate:  # GDN: one bias per head, the same on every key channel
+            if scalar_gate:  # GDN: one bias per head (the GDN-2 op takes it so with a scalar g)
                 expect_shape("dt_bias", dt_bias.shape, (Hg,), "(Hg,)")
-                dt_bias = jnp.broadcast_to(dt_bias[:, None], (Hg, dk))
             elif dt_bias.ndim == 1:  # fla lays KDA's out flat, (Hg * dk,)
                 expect_shape("dt_bias", dt_bias.shape, (Hg * dk,), "(Hg * dk,)")
                 dt_bias = dt_bias.reshape(Hg, dk)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from gdn2core.checks import expect_shape
+from gdn2core.features.activations import per_channel_dt_bias
 from gdn2core.ops.decode.api import gdn2_decode
 from gdn2core.ops.family.convert import FamilyCall, convert, finish
 from gdn2core.ops.forward.api import gdn2_forward
@@ -93,7 +94,10 @@ def _run(op: str, call: FamilyCall, state_indices) -> tuple[jax.Array, jax.Array
     else:
         pool = call.h0
     full = [_full(w, dv), _full(b, dk), g if g.ndim == 4 else _full(g, dk)]  # [B, T, ., d]
-    o, h = gdn2_decode(q, k, v, *full, pool, state_indices=state_indices, **call.keywords)
+    keywords = dict(call.keywords)  # the decode op takes dt_bias per channel
+    if keywords.get("dt_bias") is not None:
+        keywords["dt_bias"] = per_channel_dt_bias(keywords["dt_bias"], dk)
+    o, h = gdn2_decode(q, k, v, *full, pool, state_indices=state_indices, **keywords)
     return finish(call, o, h)
 
 

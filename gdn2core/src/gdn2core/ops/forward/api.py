@@ -12,6 +12,7 @@ from jaxtyping import Array, Float
 
 from gdn2core.checks import state_dtype
 from gdn2core.config import DEFAULT_CONFIG, KernelConfig
+from gdn2core.features.activations import per_channel_bias
 from gdn2core.ops.dispatch import run_backend
 from gdn2core.ops.forward.spec import OpSpec
 from gdn2core.options import FeatureArgs, Features, SegmentMode
@@ -35,6 +36,7 @@ def _prepare(args, scale, h0, config, backend, trainable, features: Features, ch
         *args, scale, h0,
         segment_ids=extras.segment_ids, cu_seqlens=extras.cu_seqlens,
         activations=features.activations, A_log=extras.A_log, dt_bias=extras.dt_bias,
+        per_head_dt_bias=True,
     )  # fmt: skip
     if continued:
         spec = dataclasses.replace(spec, continued=True)
@@ -67,8 +69,9 @@ def _call(args, scale, h0, config, backend, trainable, sharding, features, chunk
     def supports(local: OpSpec):
         return judge(chosen, local, config, trainable=trainable, auto=False, platform=None)
 
+    extras = per_channel_bias(features.extras, spec.dk)  # dt_bias (Hg, dk) for every backend
     return run_backend(
-        chosen, spec, config, args, h0, features.extras, sharding, supports,
+        chosen, spec, config, args, h0, extras, sharding, supports,
         trainable=trainable, chunk_states=chunk_states,
     )  # fmt: skip
 
@@ -229,6 +232,7 @@ def forward_continued(
     def supports(local: OpSpec):
         return judge(chosen, local, config, trainable=False, auto=False, platform=None)
 
+    extras = per_channel_bias(extras, spec.dk)
     return run_backend(chosen, spec, config, args, h0, extras, {}, supports, trainable=False)
 
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from gdn2core.checks import state_dtype
+from gdn2core.features.activations import per_channel_bias
 from gdn2core.features.scalar_gates import broadcast_gates
 from gdn2core.features.segments import varlen_layout
 from gdn2core.ops.forward.spec import OpSpec
@@ -73,8 +74,9 @@ def gdn2_token_serial_reference(
         q, k, v, w, b, g, scale, h0,
         segment_ids=extras.segment_ids, cu_seqlens=extras.cu_seqlens,
         activations=parsed.activations, A_log=extras.A_log, dt_bias=extras.dt_bias,
+        per_head_dt_bias=True,
     )  # fmt: skip
-    return token_serial(spec, q, k, v, w, b, g, h0, extras)
+    return token_serial(spec, q, k, v, w, b, g, h0, per_channel_bias(extras, spec.dk))
 
 
 def token_serial(

@@ -19,7 +19,7 @@ import numpy as np
 from gdn2core.checks import check_common_dtype, check_scale, expect_shape
 from gdn2core.features.activations import check_gate_params
 from gdn2core.features.segments import check_segments
-from gdn2core.options import NO_ACTIVATIONS, Activations, SegmentMode
+from gdn2core.options import NO_ACTIVATIONS, Activations, GateMode, SegmentMode
 
 #: Input names in the public argument order, with the axis that holds their channel size.
 KEY_AXIS_INPUTS: tuple[str, ...] = ("q", "k", "b", "g")
@@ -54,6 +54,8 @@ class OpSpec:
     scalar_gates: tuple[str, ...] = ()  # of "w", "b", "g": given (B, T, heads), one per channel
     key_groups: int = 1  # a backend's view only (Capabilities.grouped_keys): q, k come with
     #   heads / key_groups heads, head j reading key head j // key_groups
+    uniform_gate: bool = False  # a scalar g under a fused gate whose dt_bias is one per head (or
+    #   absent): the activated g is the same on every channel (dt_bias reaches backends (Hg, dk))
 
     def __post_init__(self) -> None:
         if self.value_heads == 0:
@@ -114,6 +116,7 @@ class OpSpec:
         activations: Activations | None = None,
         A_log: Any = None,
         dt_bias: Any = None,
+        per_head_dt_bias: bool = False,
     ) -> OpSpec:
         """Validate the inputs of the operator and derive the spec.
 
@@ -124,6 +127,8 @@ class OpSpec:
             segment_ids, cu_seqlens: the packed-sequence arguments (at most one).
             activations: the fused activations (None: none).
             A_log, dt_bias: the gate parameters (only with a fused gate).
+            per_head_dt_bias: the caller takes ``dt_bias`` ``(Hg,)`` with a scalar ``g`` (and
+                broadcasts it for the backends: ``features.activations.per_channel_bias``).
 
         Returns:
             The spec.
@@ -211,7 +216,14 @@ class OpSpec:
             raise TypeError(
                 f"activations: expected an Activations or None, got {type(activations).__name__}"
             )
-        check_gate_params(activations, A_log, dt_bias, gheads, dk)
+        scalar_g = "g" in scalar_gates
+        per_head = scalar_g and per_head_dt_bias
+        check_gate_params(activations, A_log, dt_bias, gheads, dk, per_head=per_head)
+        uniform_gate = (
+            per_head
+            and activations.gate != GateMode.NONE
+            and (dt_bias is None or len(dt_bias.shape) == 1)
+        )
 
         return cls(
             batch=bsz,
@@ -227,4 +239,5 @@ class OpSpec:
             n_seqs=n_seqs,
             activations=activations,
             scalar_gates=scalar_gates,
+            uniform_gate=uniform_gate,
         )
