@@ -398,7 +398,7 @@ def make_plan(
             n_seqs=n_seqs,
             chunk_states=chunk_states,
             scalar_gates=tuple(scalar_gates),
-            uniform_gate=spec.uniform_gate and "g" in scalar_gates,
+            uniform_gate=spec.uniform_gate,
         )
         need = max(vmem_bytes(plan, False)["total"], vmem_bytes(plan, True)["total"])
         if need <= budget or (nc == 1 and hb == 1):

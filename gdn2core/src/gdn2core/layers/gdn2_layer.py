@@ -57,6 +57,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gdn2core.config import KernelConfig
+from gdn2core.features.activations import per_channel_dt_bias
 from gdn2core.features.segments import segment_starts
 from gdn2core.layers import ragged
 from gdn2core.layers.ragged import GDN2RaggedCache
@@ -401,7 +402,7 @@ class GDN2Layer(nnx.Module):
         if self.variant != "gdn":
             dt_bias = dt_bias.reshape(self.gate_heads, self.dk)
         elif not per_head_bias:
-            dt_bias = jnp.broadcast_to(dt_bias[:, None], (self.gate_heads, self.dk))
+            dt_bias = per_channel_dt_bias(dt_bias, self.dk)
         return dict(
             use_qk_l2norm_in_kernel=True,
             use_gate_in_kernel=True,
