@@ -342,15 +342,16 @@ class GroupedKeysRef(ReferenceBackend):
 @pytest.mark.parametrize(
     ("gate_heads", "packing", "want"),
     [
-        (GateHeads.VALUE, {"B": 2}, (3, 2)),  # repeated keys: q, k as given, key_groups = G
-        (GateHeads.VALUE, {"seqlens": (3, 0, 6)}, (1, 6)),  # cu_seqlens: repeated by the core
-        (GateHeads.KEY, {"B": 2}, (1, 2)),  # shared keys: nothing to repeat
+        (GateHeads.VALUE, {"B": 2}, (3, 2, 1)),  # repeated keys: q, k as given, key_groups = G
+        (GateHeads.VALUE, {"seqlens": (3, 0, 6)}, (1, 6, 1)),  # cu_seqlens: repeated by the core
+        (GateHeads.KEY, {"B": 2}, (1, 2, 3)),  # shared keys: nothing to repeat, value_groups = G
     ],
     ids=["repeated-keys", "cu_seqlens", "shared-keys"],
 )
 def test_grouped_keys_reach_a_backend_that_reads_them(gate_heads, packing, want):
     """A backend with ``Capabilities.grouped_keys`` gets q, k of their own H heads under repeated
-    keys (``spec.key_groups = G``), repeated ones with cu_seqlens; its dq, dk (summed over each
+    keys (``spec.key_groups = G``), repeated ones with cu_seqlens; under shared keys its spec
+    says how v, w were grouped (``spec.value_groups = G``, a hint); its dq, dk (summed over each
     group by autodiff of its own repeat) and outputs are the reference's (the same token-serial
     arithmetic in float32: 1e-5)."""
     register_backend(GroupedKeysRef(), replace=True)
@@ -367,7 +368,7 @@ def test_grouped_keys_reach_a_backend_that_reads_them(gate_heads, packing, want)
         for name, a, e in zip(names, flat(got), flat(ref), strict=True):
             assert rel_err(a, e) < 1e-5, name
         spec, heads = GroupedKeysRef.seen[-1]
-        assert (spec.key_groups, heads) == want
+        assert (spec.key_groups, heads, spec.value_groups) == want
     finally:
         unregister_backend(GroupedKeysRef.name)
         GroupedKeysRef.seen.clear()

@@ -45,14 +45,17 @@ register_backend(ReferenceBackend(), replace=True)
 
 class GroupedKeys(ReferenceBackend):
     """The reference declaring grouped keys: on a mesh the core repeats q, k for it all the same
-    (``seen``: the ``key_groups`` of its calls)."""
+    (``seen``: the ``key_groups`` of its calls; ``value_groups``: theirs, which a per-shard call
+    never gets)."""
 
     name = "grouped_keys_ref"
     capabilities = ReferenceBackend.capabilities.model_copy(update={"grouped_keys": True})
     seen: list = []  # noqa: RUF012
+    value_groups: list = []  # noqa: RUF012
 
     def forward(self, *args, spec, **kw):
         GroupedKeys.seen.append(spec.key_groups)
+        GroupedKeys.value_groups.append(spec.value_groups)
         return super().forward(*args, spec=spec, **kw)
 
 
@@ -102,16 +105,19 @@ def check_sharded(x, backend, **sharding):
     assert not bad, f"errors above tolerance: {bad} (all: {errs})"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, GROUPED])
 def test_batch_head_sharding_with_all_features(backend):
     """Batch over x (2), heads over y (4): segment_ids split by batch; H = 4 key heads and
     HV = 8 value heads split alike (b, g shared: 1 key head, 2 value heads per device); A_log and
-    dt_bias split by heads."""
+    dt_bias split by heads. The per-shard calls get the plain view (``value_groups = 1``)."""
     case = FeatureCase(B=2, T=24, H=4, dk=8, dv=4, groups=2, rows=((3, 1, 9, 11), (12, 12)),
                        activations=ACTIVATION_CASES[0], seed=1)  # fmt: skip
     mesh = mesh_of((2, 4), ("x", "y"))
     x = place(make_feature_inputs(case), mesh, PartitionSpec("x", None, "y", None))
+    GroupedKeys.value_groups.clear()
     check_sharded(x, backend, batch_axes="x", head_axes="y")
+    if backend == GROUPED:
+        assert set(GroupedKeys.value_groups) == {1}, GroupedKeys.value_groups
 
 
 def _scalar_gates(x):

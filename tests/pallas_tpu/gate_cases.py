@@ -22,21 +22,22 @@ K = V = 64
 GRAD_NAMES = ("dq", "dk", "dv", "dw", "db", "dg", "dh0")
 
 
-def gate_inputs(H, HV, T, scalar, seed, gate_heads=None):
-    """``((q, k, v, w, b, g), h0, do, dh)``: q, k on ``H`` heads, v, w on ``HV``, b, g on
-    ``gate_heads`` (default ``H``); the gates ``scalar`` names one value per head and token."""
+def gate_inputs(H, HV, T, scalar, seed, gate_heads=None, dv=V):
+    """``((q, k, v, w, b, g), h0, do, dh)``: q, k on ``H`` heads, v, w on ``HV`` heads of ``dv``
+    channels, b, g on ``gate_heads`` (default ``H``); the gates ``scalar`` names one value per
+    head and token."""
     rng = np.random.default_rng(seed)
     Hg = H if gate_heads is None else gate_heads
 
     def arr(*shape, lo=-1.0, hi=1.0):
         return jnp.asarray(rng.uniform(lo, hi, shape), jnp.float32)
 
-    q, k, v = arr(1, T, H, K), arr(1, T, H, K), arr(1, T, HV, V)
+    q, k, v = arr(1, T, H, K), arr(1, T, H, K), arr(1, T, HV, dv)
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    w = arr(1, T, HV, lo=0.05) if "w" in scalar else arr(1, T, HV, V, lo=0.05)
+    w = arr(1, T, HV, lo=0.05) if "w" in scalar else arr(1, T, HV, dv, lo=0.05)
     b = arr(1, T, Hg, lo=0.05) if "b" in scalar else arr(1, T, Hg, K, lo=0.05)
     g = arr(1, T, Hg, lo=-1.5, hi=-0.01) if "g" in scalar else arr(1, T, Hg, K, lo=-1.5, hi=-0.01)
-    return (q, k, v, w, b, g), arr(1, HV, K, V), arr(1, T, HV, V), arr(1, HV, K, V)
+    return (q, k, v, w, b, g), arr(1, HV, K, dv), arr(1, T, HV, dv), arr(1, HV, K, dv)
 
 
 def gate_keywords(options, gate_heads, T):

@@ -11,7 +11,8 @@ memory, one a write, from cores (or DMAs) not ordered by a semaphore are a race.
 (``races.races_found``) after a clean run. Each case needs two points of the parallel axes at
 least, so that both cores work (each case asserts it of its plan): B = 2, or two head groups
 (H = 10: hb = 5 head-major, H = 16: hb = 8 token-major, and 16 value heads reading 8 key
-heads, grouped keys; H = 10 with scalar gates and cu_seqlens), or two decode head blocks (HV = 64,
+heads, grouped keys; H = 16 with 32 value heads of 128 channels, grouped values; H = 10 with
+scalar gates and cu_seqlens), or two decode head blocks (HV = 64,
 d = 64: hb = 32).
 
 Every run is also checked against the token-serial reference (the conformance kit's float32
@@ -308,6 +309,9 @@ CASES = {
     "train_gva_B2": (_check_train, _feature(B=2, T=150, H=2, groups=2, seed=8), 18),
     "train_grouped_keys_two_head_groups": (  # q, k read from 8 key heads by 16 value heads
         _check_train, _feature(T=150, H=8, groups=2, gate_heads=GateHeads.VALUE, seed=10), 20,
+    ),
+    "train_grouped_values_two_head_groups": (  # v, w, o as the caller's 32 value heads
+        _check_train, _feature(T=150, H=16, dv=128, groups=2, seed=12), 22,
     ),
     "train_scalar_gates_varlen_H10": (  # GDN's gates: the pair decay, the scalar blocks
         _with_scalar_gates(_check_train),

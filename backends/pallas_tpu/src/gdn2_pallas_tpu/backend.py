@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import jax
 
-from gdn2_pallas_tpu import grouped_keys
+from gdn2_pallas_tpu import grouped_keys, grouped_values
 from gdn2_pallas_tpu.config import PallasTpuConfig
 from gdn2_pallas_tpu.decode_plan import check_decode_plan, make_decode_plan
 from gdn2_pallas_tpu.plan import (
@@ -132,6 +132,7 @@ class PallasTpuBackend(Backend):
         plan = make_plan(spec, config, vmem_capacity_bytes(q), activations=act, chunk_states=True,
                          scalar_gates=spec.scalar_gates)  # fmt: skip
         plan, q, k = grouped_keys.read_grouped(plan, q, k, groups)
+        plan = grouped_values.read_grouped(plan, spec.value_groups)
         ex = vjp.Extras(A_log=extras.A_log, dt_bias=extras.dt_bias)
         o, h_final, chunks = vjp.gdn2_pallas_chunk_states(q, k, v, w, b, g, h0, plan, ex)
         dtype = h0.dtype
@@ -165,6 +166,7 @@ class PallasTpuBackend(Backend):
             plan = make_plan(spec, config, capacity, segments=segments, activations=act,
                              scalar_gates=spec.scalar_gates)  # fmt: skip
             plan, q, k = grouped_keys.read_grouped(plan, q, k, groups)
+            plan = grouped_values.read_grouped(plan, spec.value_groups)
             ex = vjp.Extras(
                 segment_ids=extras.segment_ids if segments else None,
                 A_log=extras.A_log,

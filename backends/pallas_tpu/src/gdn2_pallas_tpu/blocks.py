@@ -7,7 +7,8 @@ Its token tiles come in one of two layouts (:class:`~gdn2_pallas_tpu.plan.Layout
   bitcast for H not a multiple of 8, see plan.py), one contiguous ``(nc C, d)`` tile per head: one
   BlockSpec per head, since a single head-strided block would be one strided DMA, which the TPU
   compiler's profiler does not price. Outputs are written the same way, head by head, by manual
-  DMAs from a VMEM staging buffer (several BlockSpecs cannot share one output).
+  DMAs from a VMEM staging buffer (several BlockSpecs cannot share one output), which run behind
+  the next grid step's compute (:meth:`TokenIO.store`).
 - ``TOKEN_MAJOR``: the kernels read the public ``(B, t_pad, H, d)`` in ``(nc C, hb, d)`` blocks
   (``hb = 8`` heads of every token, one DMA) and swap them to head-major in VMEM; outputs are
   ordinary blocks of the same shape.
@@ -30,6 +31,16 @@ over each group in VMEM and writes the step's ``hb / G`` key heads side by side 
 itself would not be a whole number of tiles. vjp.py reshapes it to the caller's q (a copy in
 XLA, of the summed gradient only); an XLA sum of per-head gradients ``(B, T, H, d)`` over the
 groups, as the tiled layout puts the group axis in the sublanes, estimates 5x slower.
+
+Grouped values (``plan.value_groups = G > 1``, TOKEN_MAJOR only): with b, g on the key heads a
+kernel head's ``dv`` value channels are ``G`` value heads of the caller side by side. v, w, o (and
+dO, dv, dw) stay in the caller's ``(B, t_pad, G H, dv / G)``: a step reads its ``hb G`` value
+heads as ``G`` ``(nc C, hb, dv / G)`` blocks and joins each head's ``G`` value heads in its lanes
+in VMEM (:func:`join_groups`); a store splits them (:func:`split_groups`) into a VMEM stage and
+writes the ``G`` blocks by DMAs (one BlockSpec of ``hb G`` heads would be one DMA, but the TPU
+compiler's static profile classifies it remote and prices the whole kernel at 0). The core's
+``(B, T, H, dv)`` view of them is a relayout copy on a TPU (the tiles hold 8 consecutive heads),
+which the backend's reshape back to the caller's layout cancels in XLA (:meth:`TokenIO.values`).
 
 Scalar gates (one value per head and token, ``plan.scalar_gates``) come as ``(B, H / hb, n_steps,
 hb, nc C)`` float32, one dense ``(hb, nc C)`` block per step, tokens in the lanes
@@ -82,9 +93,10 @@ def _head_tile_index(batch, head_group, step, *_, head: int, hb: int, step_of: C
     return (batch, head_group * hb + head, step_of(step), I0)
 
 
-def _token_block_index(batch, head_group, step, *_, step_of: Callable):
-    """TOKEN_MAJOR: the ``(nc C, hb, d)`` block of step ``step_of(step)``, heads of the group."""
-    return (batch, step_of(step), head_group, I0)
+def _token_block_index(batch, head_group, step, *_, step_of: Callable, part=0, groups=1):
+    """TOKEN_MAJOR: the ``(nc C, hb, d)`` block of step ``step_of(step)``, heads of the group
+    (grouped values: block ``part`` of the group's ``groups``)."""
+    return (batch, step_of(step), head_group * groups + part, I0)
 
 
 def _key_block_index(batch, head_group, step, *_, step_of: Callable, groups: int):
@@ -125,17 +137,44 @@ def _residual_index(batch, head_group, step, *_, step_of: Callable):
     return (batch, head_group, step_of(step), I0, I0, I0)
 
 
+def join_groups(x: jax.Array, groups: int) -> jax.Array:
+    """``[hb G, n, d]`` -> ``[hb, n, G d]``: a kernel head's ``G`` value heads side by side in
+    its value columns (a split of the major axis and a lane concatenation)."""
+    if groups == 1:
+        return x
+    x = x.reshape(x.shape[0] // groups, groups, *x.shape[1:])  # [hb, G, n, d]
+    return jnp.concatenate([x[:, i] for i in range(groups)], axis=2)
+
+
+def split_groups(x: jax.Array, groups: int) -> jax.Array:
+    """Inverse of :func:`join_groups`: ``[hb, n, G d]`` -> ``[hb G, n, d]``."""
+    if groups == 1:
+        return x
+    hb, n, width = x.shape
+    d = width // groups
+    parts = [x[:, :, i * d : (i + 1) * d] for i in range(groups)]  # G x [hb, n, d]
+    return jnp.stack(parts, axis=1).reshape(hb * groups, n, d)
+
+
 class TokenIO:
     """The token tiles of one kernel: BlockSpecs, output staging, loads and stores, for ``plan``'s
-    layout. ``step_of`` maps the grid's step index to the step of the sequence."""
+    layout. ``step_of`` maps the grid's step index to the step of the sequence. ``groups``: the
+    arrays are the caller's grouped values, ``groups`` value heads per kernel head (module
+    docstring; :meth:`values`)."""
 
-    def __init__(self, plan: Plan, step_of: Callable):
-        self.plan, self.step_of = plan, step_of
+    def __init__(self, plan: Plan, step_of: Callable, groups: int = 1):
+        self.plan, self.step_of, self.groups = plan, step_of, groups
         self.head_major = plan.layout is Layout.HEAD_MAJOR
+        assert groups == 1 or not self.head_major, "grouped values need the TOKEN_MAJOR layout"
+
+    def values(self) -> TokenIO:
+        """The tiles of v, w, o, dO, dv, dw: in the caller's grouped layout with
+        ``plan.value_groups``, else these."""
+        return TokenIO(self.plan, self.step_of, self.plan.value_groups)
 
     def in_specs(self, d: int) -> list[pl.BlockSpec]:
-        """One BlockSpec per head (HEAD_MAJOR) or one block (TOKEN_MAJOR), all reading the same
-        array (refs.py passes it once per spec)."""
+        """One BlockSpec per head (HEAD_MAJOR), one block (TOKEN_MAJOR) or ``G`` (grouped
+        values), all reading the same array (refs.py passes it once per spec)."""
         plan = self.plan
         if self.head_major:
             return [
@@ -145,8 +184,27 @@ class TokenIO:
                 )
                 for j in range(plan.hb)
             ]
-        index = functools.partial(_token_block_index, step_of=self.step_of)
-        return [pl.BlockSpec((None, plan.step_len, plan.hb, d), index)]
+        G = self.groups  # G blocks [nc C, hb, d / G]: the step's hb G value heads
+        return [
+            pl.BlockSpec(
+                (None, plan.step_len, plan.hb, d // G),
+                functools.partial(_token_block_index, step_of=self.step_of, part=m, groups=G),
+            )
+            for m in range(G)
+        ]
+
+    @property
+    def staged(self) -> bool:
+        """Whether outputs are staged in VMEM and written by manual DMAs (:meth:`store`): one per
+        head (HEAD_MAJOR), or one per ``(nc C, hb, d / G)`` block of grouped values (one block of
+        ``hb G`` heads is a DMA the TPU compiler's static profile classifies remote and prices
+        at 0, the whole kernel with it)."""
+        return self.head_major or self.groups > 1
+
+    @property
+    def _copies(self) -> int:
+        """DMAs per staged output and step."""
+        return self.plan.hb if self.head_major else self.groups
 
     def key_specs(self, d: int) -> list[pl.BlockSpec]:
         """q and k: :meth:`in_specs`, or with grouped keys the key block of the step's key heads
@@ -158,21 +216,25 @@ class TokenIO:
         return [pl.BlockSpec((None, plan.step_len, plan.hb, d), index)]
 
     def out_spec(self, d: int) -> pl.BlockSpec:
-        if self.head_major:
+        if self.staged:
             return pl.BlockSpec(memory_space=pl.ANY)  # written by manual DMAs
         return self.in_specs(d)[0]
 
     def out_stage(self, d: int, dtype):
-        """VMEM staging of an output of width ``d`` for its DMAs (HEAD_MAJOR), else None."""
-        if not self.head_major:
-            return None
-        return pltpu.VMEM((self.plan.hb, self.plan.step_len, d), dtype)
+        """VMEM staging of an output of width ``d`` for its DMAs, else None: ``[hb, nc C, d]``
+        (HEAD_MAJOR) or ``[G, nc C, hb, d / G]`` (grouped values)."""
+        plan = self.plan
+        if self.head_major:
+            return pltpu.VMEM((plan.hb, plan.step_len, d), dtype)
+        if self.groups > 1:
+            return pltpu.VMEM((self.groups, plan.step_len, plan.hb, d // self.groups), dtype)
+        return None
 
     def out_sems(self, n_outputs: int):
-        """DMA semaphores ``(n_outputs, hb)`` of the staged outputs (HEAD_MAJOR), else None."""
-        if not self.head_major:
+        """DMA semaphores ``(n_outputs, DMAs per step)`` of the staged outputs, else None."""
+        if not self.staged:
             return None
-        return pltpu.SemaphoreType.DMA((n_outputs, self.plan.hb))
+        return pltpu.SemaphoreType.DMA((n_outputs, self._copies))
 
     def load(self, refs: Sequence, d: int) -> jax.Array:
         """The step's tiles as float32 units ``[U, C, d]``."""
@@ -180,7 +242,9 @@ class TokenIO:
         if self.head_major:
             x = jnp.stack([ref[...] for ref in refs])  # [hb, nc C, d]
         else:
-            x = jnp.swapaxes(refs[0][...], 0, 1)  # [nc C, hb, d] -> [hb, nc C, d]
+            x = jnp.concatenate([ref[...] for ref in refs], axis=1)  # [nc C, hb G, d / G]
+            x = jnp.swapaxes(x, 0, 1)  # [hb G, nc C, d / G]
+            x = join_groups(x, self.groups)  # [hb, nc C, d]
         return x.astype(F32).reshape(plan.units, plan.C, d)
 
     def load_keys(self, refs: Sequence, d: int, head_group) -> jax.Array:
@@ -198,28 +262,56 @@ class TokenIO:
         x = jnp.stack([mine[j // G] for j in range(plan.hb)])  # [hb, nc C, d]
         return x.astype(F32).reshape(plan.units, plan.C, d)
 
-    def store(self, x: jax.Array, out, stage, sems, batch, head_group, step) -> list:
-        """Write units ``x`` [U, C, d] to the output. HEAD_MAJOR: stage in VMEM and start one DMA
-        per head (returned, to ``wait()`` on); TOKEN_MAJOR: an ordinary block store."""
+    def store(self, x: jax.Array, out, stage, sems, batch, head_group, step) -> None:
+        """Write units ``x`` [U, C, d] to the output: an ordinary block store, or (:attr:`staged`)
+        staged in VMEM and written by DMAs that run behind the next grid step's compute. That
+        step waits for them before it stages its own (the DMAs of the step before have the same
+        sizes and semaphores, so this step's descriptors wait for them), and the last step of
+        the head group waits for its own at once. The step axis is the grid's innermost and
+        "arbitrary", so the grid step before a step > 0 is the step before it of the same head
+        group, on the same core."""
         plan = self.plan
         x = x.reshape(plan.hb, plan.step_len, x.shape[-1])  # [hb, nc C, d]
-        if not self.head_major:
+        if not self.staged:
             out[...] = jnp.swapaxes(x, 0, 1).astype(out.dtype)  # [nc C, hb, d]
-            return []
-        stage[...] = x.astype(stage.dtype)
+            return
         rows = pl.ds(step * plan.step_len, plan.step_len)
-        copies = []
-        for j in map(jnp.int32, range(plan.hb)):  # int32 also under jax_enable_x64
-            copy = pltpu.make_async_copy(
-                stage.at[j], out.at[batch, head_group * plan.hb + j, rows], sems.at[j]
-            )
+        if self.head_major:  # one DMA per head
+            heads = [head_group * plan.hb + j for j in range(plan.hb)]
+            dsts = [out.at[batch, h, rows] for h in heads]  # [nc C, d]
+        else:  # grouped values: block m holds the step's value heads m hb ... (m + 1) hb - 1
+            G = self.groups
+            x = jnp.swapaxes(split_groups(x, G), 0, 1)  # [nc C, hb G, d / G]
+            x = jnp.stack([x[:, m * plan.hb : (m + 1) * plan.hb] for m in range(G)])
+            heads = [pl.ds((head_group * G + m) * plan.hb, plan.hb) for m in range(G)]
+            dsts = [out.at[batch, rows, h] for h in heads]  # [nc C, hb, d / G]
+        copies = [
+            pltpu.make_async_copy(stage.at[i], dst, sems.at[i])
+            for i, dst in zip(map(jnp.int32, range(len(dsts))), dsts, strict=True)
+        ]  # int32 indices also under jax_enable_x64
+        grid_step = pl.program_id(2)
+
+        @pl.when(grid_step > 0)
+        def _():
+            for copy in copies:  # the previous step's DMAs out of this buffer
+                copy.wait()
+
+        stage[...] = x.astype(stage.dtype)  # [hb, nc C, d] or [G, nc C, hb, d / G]
+        for copy in copies:
             copy.start()
-            copies.append(copy)
-        return copies
+
+        @pl.when(grid_step == pl.num_programs(2) - 1)
+        def _():
+            for copy in copies:
+                copy.wait()
 
     def to_kernel(self, x: jax.Array) -> jax.Array:
-        """Public (B, T, H, d) -> this layout, zero padded at the end to ``t_pad`` tokens."""
+        """Public (B, T, H, d) -> this layout, zero padded at the end to ``t_pad`` tokens; grouped
+        values back in the caller's ``(B, T, G H, d / G)`` (a reshape that cancels the core's)."""
         pad = self.plan.t_pad - self.plan.seq_len
+        if self.groups > 1:
+            B, T, H, d = x.shape
+            x = x.reshape(B, T, H * self.groups, d // self.groups)  # [B, T, HV, dv]
         if self.head_major:
             x = jnp.swapaxes(x, 1, 2)  # [B, H, T, d]
             return jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) if pad else x
@@ -230,7 +322,11 @@ class TokenIO:
         T = self.plan.seq_len
         if self.head_major:
             return jnp.swapaxes(y[:, :, :T] if self.plan.t_pad != T else y, 1, 2)
-        return y[:, :T] if self.plan.t_pad != T else y
+        y = y[:, :T] if self.plan.t_pad != T else y
+        if self.groups > 1:  # [B, T, HV, dv] -> the core's view [B, T, H, G dv]
+            B, _, HV, dv = y.shape
+            y = y.reshape(B, T, HV // self.groups, dv * self.groups)
+        return y
 
 
 def _starts_index(batch, head_group, step, *_, step_of: Callable):
@@ -367,8 +463,21 @@ def _chunk_states_index(batch, head_group, step, *_):
 
 def chunk_states_spec(plan: Plan) -> pl.BlockSpec:
     """``(nc, hb, K, V)`` block of the ``(B, n_steps nc, H, K, V)`` float32 chunk-entry states,
-    the layout of fla's ``chunk_fwd_h`` (a chunk's heads contiguous: one DMA per chunk)."""
-    return pl.BlockSpec((None, plan.nc, plan.hb, plan.dk, plan.dv), _chunk_states_index)
+    the layout of fla's ``chunk_fwd_h`` (a chunk's heads contiguous: one DMA per chunk); with
+    grouped values ``(nc, hb G, K, V / G)`` of the caller's ``(B, n_steps nc, G H, K, V / G)``."""
+    G = plan.value_groups
+    return pl.BlockSpec((None, plan.nc, plan.hb * G, plan.dk, plan.dv // G), _chunk_states_index)
+
+
+def chunk_states_to_view(x: jax.Array, plan: Plan) -> jax.Array:
+    """Grouped values: chunk states ``(B, n, G H, K, V / G)`` -> the core's view ``(B, n, H, K,
+    V)`` (the inverse of the core's ``ungroup_state``, so XLA cancels the two transposes)."""
+    G = plan.value_groups
+    if G == 1:
+        return x
+    B, n, HV, K, dv = x.shape
+    x = x.reshape(B, n, HV // G, G, K, dv).transpose(0, 1, 2, 4, 3, 5)  # [B, n, H, K, G, dv]
+    return x.reshape(B, n, HV // G, K, G * dv)
 
 
 def residual_spec(plan: Plan, tail: tuple[int, int, int], step_of: Callable) -> pl.BlockSpec:

@@ -54,7 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gdn2_pallas_tpu import pooled
-from gdn2_pallas_tpu.blocks import I0
+from gdn2_pallas_tpu.blocks import I0, join_groups, split_groups
 from gdn2_pallas_tpu.chunk_math import iota
 from gdn2_pallas_tpu.plan import Plan
 
@@ -87,15 +87,6 @@ def in_specs(plan: Plan, d: int, groups: int = 1) -> list[pl.BlockSpec]:
         for j in range(plan.nc)
         for m in range(groups)
     ]
-
-
-def join_groups(x: jax.Array, groups: int) -> jax.Array:
-    """``[hb G, n, dv]`` -> ``[hb, n, G dv]``: a kernel head's ``G`` value heads side by side in
-    its value columns (a split of the major axis and a lane concatenation)."""
-    if groups == 1:
-        return x
-    x = x.reshape(x.shape[0] // groups, groups, *x.shape[1:])  # [hb, G, n, dv]
-    return jnp.concatenate([x[:, i] for i in range(groups)], axis=2)
 
 
 class FlatTokens:
@@ -233,15 +224,12 @@ class FlatOutput:
         step wait for them."""
         plan, step = self.plan, self.step
         G, hb, R = plan.pool_groups, plan.hb, plan.step_len
-        dv = plan.dv // G
 
         @pl.when(step > 0)
         def _():
             self._all(step - 1, start=False)
 
-        x = o.reshape(hb, R, plan.dv)  # [hb, nc C, G dv]
-        parts = [x[:, :, b * dv : (b + 1) * dv] for b in range(G)]  # G x [hb, nc C, dv]
-        x = jnp.stack(parts, axis=1).reshape(hb * G, R, dv)  # [hb G, nc C, dv] local value heads
+        x = split_groups(o.reshape(hb, R, plan.dv), G)  # [hb G, nc C, dv] local value heads
         x = jnp.swapaxes(x, 0, 1)  # [nc C, hb G, dv]
         for m in range(G):
             self.stage[m] = x[:, m * hb : (m + 1) * hb].astype(self.stage.dtype)  # [nc C, hb, dv]

@@ -34,6 +34,7 @@ from gdn2_pallas_tpu.plan import Plan
 F32 = jnp.float32
 GRAD_NAMES = ("dq", "dk", "dv", "dw", "db", "dg")
 GATE_OF_GRAD = {"dw": "w", "db": "b", "dg": "g"}  # the gradients a scalar gate may take
+VALUE_GRADS = ("dv", "dw")  # in v's layout (grouped values: the caller's, blocks.TokenIO.values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +43,11 @@ class BackwardRefs:
 
     q: tuple  # the step's tiles (blocks.TokenIO): hb x [nc C, K], or one [nc C, hb, K]
     k: tuple
-    v: tuple  # ... V
+    v: tuple  # ... V; one [nc C, hb G, V / G] with plan.value_groups = G
     w: tuple  # ... V, or one [hb, nc C] f32 block of a scalar gate (plan.scalar("w"))
     b: tuple  # ... K, or a scalar gate's block
     g: tuple  # ... K, or a scalar gate's block
-    dO: tuple  # ... V
+    dO: tuple  # ... V, as v
     starts: object | None  # [nc C, 1] f32 sequence starts (plan.segments)
     gate_params: object | None  # [hb, 2, K] f32 exp(A_log), dt_bias (plan.gate)
     table: object | None  # SMEM [3, n_chunks] int32 chunk table (plan.varlen, varlen.py)
@@ -68,12 +69,13 @@ class BackwardRefs:
     writes: tuple | None  # (buffers [2, hb, K, V] f32, DMA semaphores [2], SMEM counters [2]) of
     #   the dh0 writes (plan.varlen, state_writes.py)
     stages: tuple | None  # [hb, nc C, d] gradient staging for the DMAs (HEAD_MAJOR), one per
-    #   gradient but a scalar gate's
-    sems: object | None  # DMA semaphores (6, hb) (HEAD_MAJOR)
+    #   gradient but a scalar gate's; [G, nc C, hb, V / G] for dv, dw (grouped values)
+    sems: object | None  # DMA semaphores (6, hb) (HEAD_MAJOR), or (6, G) (grouped values)
 
 
 def _backward_kernel(r: BackwardRefs, *, plan: Plan):
     io = blocks.TokenIO(plan, blocks.reverse_step(plan.n_steps))
+    vio = io.values()  # v, w, dO, dv, dw: the caller's grouped values with plan.value_groups
     batch, head_group, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     n_steps = pl.num_programs(2)
     step = n_steps - 1 - i
@@ -86,8 +88,8 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
 
     q, k = (io.load_keys(x, K, head_group) for x in (r.q, r.k))  # [U, C, K]
     b, g_raw = (blocks.load_gate(x, io, K, plan.scalar(n)) for n, x in (("b", r.b), ("g", r.g)))
-    v, dO = (io.load(x, V) for x in (r.v, r.dO))  # [U, C, V]
-    w = blocks.load_gate(r.w, io, V, plan.scalar("w"))  # [U, C, V]
+    v, dO = (vio.load(x, V) for x in (r.v, r.dO))  # [U, C, V]
+    w = blocks.load_gate(r.w, vio, V, plan.scalar("w"))  # [U, C, V]
     g_in = g_raw
     if plan.fused:  # re-activate the raw inputs (nothing activated was saved)
         gp = None if r.gate_params is None else blocks.load_gate_params(r.gate_params, plan)
@@ -198,7 +200,6 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
         if partial is not None:
             r.d_gate[...] = blocks.per_head_sums(partial, plan)  # [hb, 2, K]
     grads = (dq, dk, dv, dw, db, dg)
-    copies = []
     stages = iter(r.stages or ())  # the staged gradients' buffers, in order
     for m, (x, out) in enumerate(zip(grads, r.grads, strict=True)):
         if plan.scalar(GATE_OF_GRAD.get(GRAD_NAMES[m], "")):  # summed over the channels
@@ -208,11 +209,11 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
             blocks.store_key_grad(x, out, plan)
             continue
         sems = None if r.sems is None else r.sems.at[jnp.int32(m)]
-        copies += io.store(x, out, next(stages, None), sems, batch, head_group, step)
+        tiles = vio if GRAD_NAMES[m] in VALUE_GRADS else io
+        stage = next(stages) if tiles.staged else None
+        tiles.store(x, out, stage, sems, batch, head_group, step)
     if seqs is not None:  # the last step waits for the dh0 writes still in flight
         seqs.writes.close()
-    for copy in copies:
-        copy.wait()
 
 
 def backward_call(
@@ -225,7 +226,8 @@ def backward_call(
     B, H, K, V, hb = plan.batch, plan.heads, plan.dk, plan.dv, plan.hb
     step_of = blocks.reverse_step(plan.n_steps)
     io = blocks.TokenIO(plan, step_of)
-    keys, vals = io.in_specs(K), io.in_specs(V)
+    vio = io.values()  # v, w, dO, dv, dw (grouped values: the caller's layout)
+    keys, vals = io.in_specs(K), vio.in_specs(V)
     qk = io.key_specs(K)  # q, k: of the key heads with plan.key_groups
     state = blocks.state_spec(plan)
     on = lambda flag, x: x if flag else None  # noqa: E731  (None: absent)
@@ -233,13 +235,18 @@ def backward_call(
     scalar = blocks.scalar_spec(plan, step_of)  # a scalar gate's (hb, nc C) block
     gate = lambda name, specs: [scalar] if plan.scalar(name) else specs  # noqa: E731
     is_scalar = [plan.scalar(GATE_OF_GRAD.get(n, "")) for n in GRAD_NAMES]
-    grad_specs = [scalar if sc else io.out_spec(d) for sc, d in zip(is_scalar, dims, strict=True)]
+    tiles = [vio if n in VALUE_GRADS else io for n in GRAD_NAMES]
+    grad_specs = [
+        scalar if sc else t.out_spec(d) for sc, t, d in zip(is_scalar, tiles, dims, strict=True)
+    ]
     grad_shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, w, b, g)]
     if plan.key_groups > 1:  # dq, dk per key head, lane-dense (blocks.key_grad_spec)
         grad_specs[:2] = [blocks.key_grad_spec(plan, step_of, K)] * 2
         grad_shapes[:2] = [jax.ShapeDtypeStruct((B, plan.t_pad, q.shape[2] * K), q.dtype)] * 2
-    grad_stages = [
-        io.out_stage(d, q.dtype) for sc, d in zip(is_scalar, dims, strict=True) if not sc
+    grad_stages = [  # one per staged gradient, in order (blocks.TokenIO.staged)
+        t.out_stage(d, q.dtype)
+        for sc, t, d in zip(is_scalar, tiles, dims, strict=True)
+        if not sc and t.staged
     ]
     res = (B, plan.head_groups, plan.n_steps)  # residuals: one block per grid step
     packed = blocks.residual_spec(plan, plan.residual_block, step_of)  # T^T | A_qk
@@ -282,10 +289,10 @@ def backward_call(
         refs.Scratch("seq_tmp", on(plan.varlen, pltpu.VMEM((hb, K, V), F32))),
         refs.Scratch("seq_sem", on(plan.varlen, pltpu.SemaphoreType.DMA(()))),
         refs.Scratch("writes", on(plan.varlen, state_writes.scratch_shapes((hb, K, V), F32))),
-        refs.Scratch(  # gradient staging (none for a scalar gate's: a blocked output)
-            "stages", grad_stages if io.head_major else None
+        refs.Scratch(  # gradient staging (none for a blocked output: a scalar gate's...)
+            "stages", grad_stages or None
         ),
-        refs.Scratch("sems", io.out_sems(len(dims))),
+        refs.Scratch("sems", vio.out_sems(len(dims))),
     )
     return pl.pallas_call(
         kernel_refs.kernel(functools.partial(_backward_kernel, plan=plan), BackwardRefs),

@@ -37,7 +37,7 @@ class ForwardRefs:
     q: tuple  # the step's tiles (blocks.TokenIO): hb x [nc C, K], or one [nc C, hb, K] (of key
     #   heads with plan.key_groups), or nc x [C, hb, K] (plan.flat_tokens, flat_tokens.py)
     k: tuple
-    v: tuple  # ... V
+    v: tuple  # ... V; one [nc C, hb G, V / G] with plan.value_groups = G
     w: tuple  # ... V, or one [hb, nc C] f32 block of a scalar gate (plan.scalar("w"))
     b: tuple  # ... K, or a scalar gate's block
     g: tuple  # ... K, or a scalar gate's block
@@ -46,13 +46,15 @@ class ForwardRefs:
     seq_h0: object | None  # [N, H, K, V] f32 in HBM: per-sequence initial states (plan.varlen),
     #   or the pool [P, H, G K, V / G] in its dtype (plan.pooled)
     h0: object  # [hb, K, V] f32
-    o: object  # [B, H, t_pad, V] in HBM (HEAD_MAJOR), or the [nc C, hb, V] block
+    o: object  # [B, H, t_pad, V] in HBM (HEAD_MAJOR), or the [nc C, hb, V] block ([nc C, hb G,
+    #   V / G] with plan.value_groups = G)
     h_final: object  # [hb, K, V] f32
     seq_h_final: object | None  # [N, H, K, V] f32 in HBM: per-sequence final states (plan.varlen),
     #   or the pool (plan.pooled, aliased to seq_h0)
     TA_out: object | None  # [U / pack, C, pack C] residual: A_qk (lower), T^T (upper), lane-packed
     state_out: object | None  # [hb, K, V] f32: the state entering this step
     chunks_out: object | None  # [nc, hb, K, V] f32: the state entering each chunk of the step
+    #   ([nc, hb G, K, V / G] with plan.value_groups = G)
     #   (plan.chunk_states)
     # Scratch.
     S: object  # [hb, K, V] f32 the carried state
@@ -61,11 +63,12 @@ class ForwardRefs:
     seq_sem: object | None  # its DMA semaphore (the reads)
     writes: tuple | None  # (buffers [2, *seq_buf], DMA semaphores [2], SMEM counters [2]) of the
     #   state writes (plan.varlen, state_writes.py)
-    o_stage: object | None  # [hb, nc C, V] output staging for the DMAs (HEAD_MAJOR)
+    o_stage: object | None  # [hb, nc C, V] output staging for the DMAs (HEAD_MAJOR), or
+    #   [G, nc C, hb, V / G] (plan.value_groups = G; blocks.TokenIO.store)
     o_flat: object | None  # [G, nc C, hb, V / G] o staged for its DMAs to the flat tokens
     #   (plan.flat_tokens, flat_tokens.FlatOutput)
     o_flat_sem: object | None  # their DMA semaphore
-    o_sems: object | None  # DMA semaphores (1, hb) (HEAD_MAJOR)
+    o_sems: object | None  # DMA semaphores (1, hb) (HEAD_MAJOR), or (1, G) (grouped values)
 
 
 def pack_residual(T: jax.Array, A_qk: jax.Array) -> jax.Array:
@@ -108,12 +111,13 @@ def _step(r: ForwardRefs, plan: Plan, save: bool, flat: flat_tokens.FlatTokens |
     """One grid step after its entry state: phase A, the state pass, the outputs; ``flat``: the
     step's chunks from the flat tokens (plan.flat_tokens), else None."""
     io = blocks.TokenIO(plan, blocks.forward_step)
+    vio = io.values()  # v, w, o: the caller's grouped values with plan.value_groups
     batch, head_group, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     K, V, p = plan.dk, plan.dv, plan.precisions
     if flat is None:
         q, k = (io.load_keys(x, K, head_group) for x in (r.q, r.k))  # [U, C, K]
         b, g = (blocks.load_gate(x, io, K, plan.scalar(n)) for n, x in (("b", r.b), ("g", r.g)))
-        v, w = io.load(r.v, V), blocks.load_gate(r.w, io, V, plan.scalar("w"))  # [U, C, V]
+        v, w = vio.load(r.v, V), blocks.load_gate(r.w, vio, V, plan.scalar("w"))  # [U, C, V]
     else:  # v, w as (T, HV, dv): G value heads per kernel head
         q, k, b, g = (flat.load(x, K) for x in (r.q, r.k, r.b, r.g))  # [U, C, K]
         v, w = (flat.load(x, V, plan.pool_groups) for x in (r.v, r.w))  # [U, C, V]
@@ -157,8 +161,8 @@ def _step(r: ForwardRefs, plan: Plan, save: bool, flat: flat_tokens.FlatTokens |
             seqs.hbm = r.seq_h0
             seqs.read(j, seqs.is_first(j), r.S)
         S = r.S[...]  # [hb, K, V] entering chunk j
-        if r.chunks_out is not None:
-            r.chunks_out[j] = S
+        if r.chunks_out is not None:  # grouped values: [hb G, K, V / G] (blocks.py)
+            r.chunks_out[j] = blocks.split_groups(S, plan.value_groups)
         R = blocks.chunk_of(U, j, plan) - mm(
             blocks.chunk_of(Y, j, plan), S, p.state
         )  # [hb, C, V] F7
@@ -176,13 +180,12 @@ def _step(r: ForwardRefs, plan: Plan, save: bool, flat: flat_tokens.FlatTokens |
             seqs.hbm = r.seq_h_final
             seqs.write(j, seqs.is_last(j), S_next)
     o = blocks.stack_chunks(outs, plan)  # [U, C, V]
-    copies = []
     if flat is not None:  # each chunk's own rows, at the flat tokens
         out = flat_tokens.FlatOutput(plan, r.table, r.o, r.o_flat, r.o_flat_sem, head_group, step)
         out.store(o)
     else:
         sems = None if r.o_sems is None else r.o_sems.at[jnp.int32(0)]
-        copies = io.store(o, r.o, r.o_stage, sems, batch, head_group, step)
+        vio.store(o, r.o, r.o_stage, sems, batch, head_group, step)
 
     @pl.when(step == pl.num_programs(2) - 1)
     def _():
@@ -190,8 +193,6 @@ def _step(r: ForwardRefs, plan: Plan, save: bool, flat: flat_tokens.FlatTokens |
 
     if writes is not None:  # the last step waits for the writes still in flight
         writes.close()
-    for copy in copies:
-        copy.wait()
 
 
 def forward_call(
@@ -206,14 +207,15 @@ def forward_call(
     B, H, K, V, hb = plan.batch, plan.heads, plan.dk, plan.dv, plan.hb
     step_of = blocks.forward_step
     io = blocks.TokenIO(plan, step_of)
+    vio = io.values()  # v, w, o (grouped values: the caller's layout)
     G = plan.pool_groups
-    o_spec, flat_stage = io.out_spec(V), None
+    o_spec, flat_stage = vio.out_spec(V), None
     if plan.flat_tokens:  # nc element windows of the flat tokens per step; v, w (T, HV, dv)
         keys, vals = flat_tokens.in_specs(plan, K), flat_tokens.in_specs(plan, V, G)
         o_spec = blocks.hbm_any()  # o at the flat tokens, (1, T, HV, dv), by manual DMAs
         flat_stage = pltpu.VMEM((G, plan.step_len, hb, V // G), v.dtype)  # FlatOutput's staging
     else:
-        keys, vals = io.in_specs(K), io.in_specs(V)
+        keys, vals = io.in_specs(K), vio.in_specs(V)
     qk = keys if plan.flat_tokens else io.key_specs(K)  # q, k: of the key heads (key_groups)
     state = blocks.state_spec(plan)
     on = lambda flag, x: x if flag else None  # noqa: E731  (None: absent)
@@ -224,6 +226,8 @@ def forward_call(
     slot_dtype = seq_h0.dtype if plan.pooled else F32  # the pool's dtype, or f32 states
     packed = blocks.residual_spec(plan, plan.residual_block, step_of)  # T^T | A_qk
     entry = blocks.residual_spec(plan, (hb, K, V), step_of)  # step entry states
+    Gv = plan.value_groups  # chunk states in the caller's grouped layout (blocks.py)
+    chunk_states_shape = (B, plan.t_pad // plan.C, H * Gv, K, V // Gv)
     kernel_refs = refs.Table(
         refs.Prefetch("table", table if plan.varlen else None),  # SMEM, seen by the index maps
         refs.Input("q", qk, q),
@@ -253,15 +257,15 @@ def forward_call(
         refs.Output(  # the chunk-entry states (B, n_steps nc, H, K, V)
             "chunks_out",
             blocks.chunk_states_spec(plan),
-            on(plan.chunk_states, jax.ShapeDtypeStruct((B, plan.t_pad // plan.C, H, K, V), F32)),
+            on(plan.chunk_states, jax.ShapeDtypeStruct(chunk_states_shape, F32)),
         ),
         refs.Scratch("S", pltpu.VMEM((hb, K, V), F32)),
         # a state's DMA staging: [hb, K, V] f32, or a slot [hb, G K, V / G] in the pool's dtype
         refs.Scratch("seq_buf", on(plan.varlen, pltpu.VMEM(stage, slot_dtype))),
         refs.Scratch("seq_sem", on(plan.varlen, pltpu.SemaphoreType.DMA(()))),
         refs.Scratch("writes", on(plan.varlen, state_writes.scratch_shapes(stage, slot_dtype))),
-        refs.Scratch("o_stage", io.out_stage(V, v.dtype)),  # o staging
-        refs.Scratch("o_sems", io.out_sems(1)),
+        refs.Scratch("o_stage", vio.out_stage(V, v.dtype)),  # o staging
+        refs.Scratch("o_sems", vio.out_sems(1)),
         refs.Scratch("o_flat", flat_stage),
         refs.Scratch("o_flat_sem", on(plan.flat_tokens, pltpu.SemaphoreType.DMA(()))),
         aliases={"seq_h0": "seq_h_final"} if plan.pooled else None,  # the pool, in place

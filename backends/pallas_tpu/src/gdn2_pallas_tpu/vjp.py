@@ -30,6 +30,7 @@ from jax import lax
 from gdn2_pallas_tpu import pooled, varlen
 from gdn2_pallas_tpu.blocks import (
     TokenIO,
+    chunk_states_to_view,
     forward_step,
     scalar_from_kernel,
     scalar_to_kernel,
@@ -57,7 +58,7 @@ class Residuals:
 
     q: jax.Array  # [B, H, t_pad, K] (HEAD_MAJOR) or [B, t_pad, H, K] (TOKEN_MAJOR; H / key_groups)
     k: jax.Array
-    v: jax.Array  # ... V
+    v: jax.Array  # ... V ([B, t_pad, G H, V / G] with plan.value_groups = G)
     w: jax.Array  # ... V, or a scalar gate's [B, H / hb, n_steps, hb, nc C] f32 (blocks.py)
     b: jax.Array  # ... K, or a scalar gate's
     g: jax.Array  # ... K, or a scalar gate's
@@ -141,18 +142,21 @@ def _with_plan(kernel_call, plan: Plan):
     )
 
 
-def _io(plan: Plan) -> TokenIO:
-    return TokenIO(plan, forward_step)
+def _io(plan: Plan, name: str = "q") -> TokenIO:
+    """The layout of input ``name`` (or of its gradient; o and dO are v's)."""
+    io = TokenIO(plan, forward_step)
+    return io.values() if name in VALUE_NAMES else io
 
 
 INPUT_NAMES = ("q", "k", "v", "w", "b", "g")
+VALUE_NAMES = ("v", "w")  # grouped values: in the caller's (B, T, HV, dv) (blocks.TokenIO.values)
 
 
 def _to_kernel(plan: Plan, xs) -> list[jax.Array]:
     """``(q, k, v, w, b, g)`` in kernel layout: a scalar gate ``(B, T, H)`` as its
     ``(B, H / hb, n_steps, hb, nc C)`` float32 blocks (blocks.scalar_to_kernel)."""
     return [
-        scalar_to_kernel(x, plan) if plan.scalar(name) else _io(plan).to_kernel(x)
+        scalar_to_kernel(x, plan) if plan.scalar(name) else _io(plan, name).to_kernel(x)
         for name, x in zip(INPUT_NAMES, xs, strict=True)
     ]
 
@@ -160,7 +164,7 @@ def _to_kernel(plan: Plan, xs) -> list[jax.Array]:
 def _from_kernel(plan: Plan, ys, dtype) -> list[jax.Array]:
     """Inverse of :func:`_to_kernel`; a scalar gate's (gradient) back in ``dtype``."""
     return [
-        scalar_from_kernel(y, plan, dtype) if plan.scalar(name) else _io(plan).from_kernel(y)
+        scalar_from_kernel(y, plan, dtype) if plan.scalar(name) else _io(plan, name).from_kernel(y)
         for name, y in zip(INPUT_NAMES, ys, strict=True)
     ]
 
@@ -207,7 +211,7 @@ def _forward(q, k, v, w, b, g, h0, ex: Extras, plan: Plan, save: bool):
     )
     o, h_final, *outs = outs
     seq_h_final = outs.pop(0) if plan.varlen else None
-    return _io(plan).from_kernel(o), h_final, seq_h_final, (xs, starts, gate), tuple(outs)
+    return _io(plan, "v").from_kernel(o), h_final, seq_h_final, (xs, starts, gate), tuple(outs)
 
 
 def gdn2_pallas_forward(q, k, v, w, b, g, h0, plan: Plan, extras: Extras = NO_EXTRAS):
@@ -227,7 +231,8 @@ def gdn2_pallas_chunk_states(q, k, v, w, b, g, h0, plan: Plan, extras: Extras = 
                          f"segments={plan.segments}")  # fmt: skip
     o, h_final, _, _, (chunks,) = _forward(q, k, v, w, b, g, h0, extras, plan, False)
     n_chunks = -(-plan.seq_len // plan.C)  # the chunks of the caller's T, not of t_pad
-    return o, h_final, chunks if chunks.shape[1] == n_chunks else chunks[:, :n_chunks]
+    chunks = chunks if chunks.shape[1] == n_chunks else chunks[:, :n_chunks]
+    return o, h_final, chunk_states_to_view(chunks, plan)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
@@ -249,7 +254,7 @@ def _vjp_fwd(q, k, v, w, b, g, h0, extras: Extras, plan: Plan):
 def _vjp_bwd(plan: Plan, saved, cotangents):
     res, gate, ex = saved
     do, dh_final, d_seq_h_final = cotangents
-    do_k = _io(plan).to_kernel(do.astype(res.v.dtype))
+    do_k = _io(plan, "v").to_kernel(do.astype(res.v.dtype))
     if plan.varlen and d_seq_h_final is None:
         d_seq_h_final = jnp.zeros_like(ex.seq_h0)
     call = _fold_vmap(functools.partial(backward_call, plan=plan), plan)

@@ -74,6 +74,8 @@ def run_backend(
         q, k, v, w, b, g = inputs
         inputs = (*repeat_keys_of(q, k, view.key_groups), v, w, b, g)
         view = dataclasses.replace(view, key_groups=1)
+    if plan is not None and view.value_groups > 1:  # per-shard calls get the plain view
+        view = dataclasses.replace(view, value_groups=1)
     more = {} if backend_extras is None else {"extras": backend_extras}
     if chunk_states and plan is not None:
         raise ValueError(
@@ -127,7 +129,8 @@ def backend_inputs(backend: Backend, spec: OpSpec, args, h0, extras: OpExtras):
     scalar gates broadcast unless it takes them (and w's always under grouped value heads, whose
     kernel heads have ``G * dv`` value channels), the activations applied in XLA unless it fuses
     them, grouped value heads resolved (q, k not repeated for a backend that reads them grouped,
-    ``view.key_groups``), and the extras (None when the call has no packed
+    ``view.key_groups``; with b, g on the key heads ``view.value_groups`` says how v, w were
+    grouped), and the extras (None when the call has no packed
     sequences and no fused activations)."""
     q, k, v, w, b, g = args
     caps = backend.capabilities
@@ -153,6 +156,8 @@ def backend_inputs(backend: Backend, spec: OpSpec, args, h0, extras: OpExtras):
     gq, gk, gv, gw, gh0 = group_call(spec, q, k, v, w, h0, repeat_keys=not grouped)
     if grouped:
         view = dataclasses.replace(view, key_groups=spec.groups)
+    elif spec.groups > 1 and spec.gate_heads == spec.heads:  # v, w as G value heads per head
+        view = dataclasses.replace(view, value_groups=spec.groups)
 
     backend_extras = None
     if view.segments != SegmentMode.NONE or view.activations.any:

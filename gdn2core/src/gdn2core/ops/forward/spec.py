@@ -56,6 +56,10 @@ class OpSpec:
     #   heads / key_groups heads, head j reading key head j // key_groups
     uniform_gate: bool = False  # a scalar g under a fused gate whose dt_bias is one per head (or
     #   absent): the activated g is the same on every channel (dt_bias reaches backends (Hg, dk))
+    value_groups: int = 1  # a backend's view only (grouped value heads, b and g on the key heads):
+    #   v, w and o are the caller's (B, T, value_groups H, dv / value_groups) reshaped, each head's
+    #   dv channels value_groups value heads side by side; a backend may read them so (a hint:
+    #   the arrays are the plain call's either way)
 
     def __post_init__(self) -> None:
         if self.value_heads == 0:
@@ -72,6 +76,10 @@ class OpSpec:
         if self.key_groups < 1 or self.heads % self.key_groups:
             raise ValueError(
                 f"key_groups: expected a divisor of H={self.heads}, got {self.key_groups}"
+            )
+        if self.value_groups < 1 or self.dv % self.value_groups:
+            raise ValueError(
+                f"value_groups: expected a divisor of dv={self.dv}, got {self.value_groups}"
             )
         if self.gate_heads not in (self.heads, self.value_heads):
             raise ValueError(
