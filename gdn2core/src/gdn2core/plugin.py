@@ -25,6 +25,8 @@ Helpers for the array methods: :func:`state_dtype` (the accumulation dtype), :fu
 ``GDN2_FWD_DIAG`` diagnostics), :func:`default_platform`, :func:`is_tpu_available`, :func:`device_memory_bytes`, and the
 scalar gates broadcast to their channels (:func:`broadcast_gates`, for a backend with
 ``Capabilities.scalar_gates`` on a path of its own that takes only the full gates), the
+states of grouped value heads in the core's view (:func:`group_state`, for a backend that reads
+``spec.value_groups`` and writes states in the caller's layout), the
 token-serial references :func:`gdn2_token_serial_reference` and :func:`gdn2_decode_reference`; a
 decode op receives a :class:`DecodeSpec`, and :func:`sanitize_slots` is the core's rule for the slots
 it is given (out of range or repeated: skipped), for a ``decode`` that may be called directly.
@@ -34,6 +36,7 @@ from gdn2core.backend import YES, Backend, Capabilities, Verdict
 from gdn2core.checks import state_dtype
 from gdn2core.config import KernelConfig
 from gdn2core.diagnostics import probe
+from gdn2core.features.gva import group_state
 from gdn2core.features.pooled import FROM_NAN, FROM_ZEROS, PoolRequests
 from gdn2core.features.scalar_gates import broadcast_gates
 from gdn2core.features.segments import segment_starts, varlen_layout
@@ -70,6 +73,7 @@ __all__ = [
     "device_memory_bytes",
     "gdn2_decode_reference",
     "gdn2_token_serial_reference",
+    "group_state",
     "hookimpl",
     "is_tpu_available",
     "probe",

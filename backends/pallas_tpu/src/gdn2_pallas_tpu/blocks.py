@@ -156,6 +156,20 @@ def split_groups(x: jax.Array, groups: int) -> jax.Array:
     return jnp.stack(parts, axis=1).reshape(hb * groups, n, d)
 
 
+def join_blocks(blocks: Sequence[jax.Array], groups: int) -> jax.Array:
+    """``G`` token blocks ``[n, hb, d]`` of consecutive value heads (the caller's ``(T, HV,
+    d)``) -> the kernel heads' rows ``[hb, n, G d]``."""
+    x = jnp.concatenate(list(blocks), axis=1)  # [n, hb G, d]
+    return join_groups(jnp.swapaxes(x, 0, 1), groups)  # [hb, n, G d]
+
+
+def split_blocks(x: jax.Array, groups: int) -> jax.Array:
+    """Inverse of :func:`join_blocks`: ``[hb, n, G d]`` -> ``G`` blocks ``[G, n, hb, d]``."""
+    hb = x.shape[0]
+    x = jnp.swapaxes(split_groups(x, groups), 0, 1)  # [n, hb G, d]
+    return jnp.stack([x[:, m * hb : (m + 1) * hb] for m in range(groups)])
+
+
 class TokenIO:
     """The token tiles of one kernel: BlockSpecs, output staging, loads and stores, for ``plan``'s
     layout. ``step_of`` maps the grid's step index to the step of the sequence. ``groups``: the
@@ -242,9 +256,7 @@ class TokenIO:
         if self.head_major:
             x = jnp.stack([ref[...] for ref in refs])  # [hb, nc C, d]
         else:
-            x = jnp.concatenate([ref[...] for ref in refs], axis=1)  # [nc C, hb G, d / G]
-            x = jnp.swapaxes(x, 0, 1)  # [hb G, nc C, d / G]
-            x = join_groups(x, self.groups)  # [hb, nc C, d]
+            x = join_blocks([ref[...] for ref in refs], self.groups)  # [hb, nc C, d]
         return x.astype(F32).reshape(plan.units, plan.C, d)
 
     def load_keys(self, refs: Sequence, d: int, head_group) -> jax.Array:
@@ -281,8 +293,7 @@ class TokenIO:
             dsts = [out.at[batch, h, rows] for h in heads]  # [nc C, d]
         else:  # grouped values: block m holds the step's value heads m hb ... (m + 1) hb - 1
             G = self.groups
-            x = jnp.swapaxes(split_groups(x, G), 0, 1)  # [nc C, hb G, d / G]
-            x = jnp.stack([x[:, m * plan.hb : (m + 1) * plan.hb] for m in range(G)])
+            x = split_blocks(x, G)  # [G, nc C, hb, d / G]
             heads = [pl.ds((head_group * G + m) * plan.hb, plan.hb) for m in range(G)]
             dsts = [out.at[batch, rows, h] for h in heads]  # [nc C, hb, d / G]
         copies = [
@@ -467,17 +478,6 @@ def chunk_states_spec(plan: Plan) -> pl.BlockSpec:
     grouped values ``(nc, hb G, K, V / G)`` of the caller's ``(B, n_steps nc, G H, K, V / G)``."""
     G = plan.value_groups
     return pl.BlockSpec((None, plan.nc, plan.hb * G, plan.dk, plan.dv // G), _chunk_states_index)
-
-
-def chunk_states_to_view(x: jax.Array, plan: Plan) -> jax.Array:
-    """Grouped values: chunk states ``(B, n, G H, K, V / G)`` -> the core's view ``(B, n, H, K,
-    V)`` (the inverse of the core's ``ungroup_state``, so XLA cancels the two transposes)."""
-    G = plan.value_groups
-    if G == 1:
-        return x
-    B, n, HV, K, dv = x.shape
-    x = x.reshape(B, n, HV // G, G, K, dv).transpose(0, 1, 2, 4, 3, 5)  # [B, n, H, K, G, dv]
-    return x.reshape(B, n, HV // G, K, G * dv)
 
 
 def residual_spec(plan: Plan, tail: tuple[int, int, int], step_of: Callable) -> pl.BlockSpec:

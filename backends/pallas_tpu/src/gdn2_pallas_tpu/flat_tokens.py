@@ -54,7 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gdn2_pallas_tpu import pooled
-from gdn2_pallas_tpu.blocks import I0, join_groups, split_groups
+from gdn2_pallas_tpu.blocks import I0, join_blocks, split_blocks
 from gdn2_pallas_tpu.chunk_math import iota
 from gdn2_pallas_tpu.plan import Plan
 
@@ -118,9 +118,7 @@ class FlatTokens:
 
     def _chunk(self, refs, j: int, groups: int) -> jax.Array:
         """Chunk ``j``'s rows ``[hb, C, G d]`` float32 (rows outside ``[LO, HI)`` unspecified)."""
-        x = jnp.concatenate([ref[...] for ref in refs], axis=1)  # G x [C, hb, d] -> [C, hb G, d]
-        x = jnp.swapaxes(x, 0, 1).astype(F32)  # [hb G, C, d]
-        x = join_groups(x, groups)  # [hb, C, G d]
+        x = join_blocks([ref[...] for ref in refs], groups).astype(F32)  # [hb, C, G d]
         return pltpu.roll(x, self.shifts[j], 1) if self.roll else x
 
     def load(self, refs, d: int, groups: int = 1) -> jax.Array:
@@ -229,10 +227,7 @@ class FlatOutput:
         def _():
             self._all(step - 1, start=False)
 
-        x = split_groups(o.reshape(hb, R, plan.dv), G)  # [hb G, nc C, dv] local value heads
-        x = jnp.swapaxes(x, 0, 1)  # [nc C, hb G, dv]
-        for m in range(G):
-            self.stage[m] = x[:, m * hb : (m + 1) * hb].astype(self.stage.dtype)  # [nc C, hb, dv]
+        self.stage[...] = split_blocks(o.reshape(hb, R, plan.dv), G).astype(self.stage.dtype)
         self._all(step, start=True)
 
         @pl.when(step == pl.num_programs(2) - 1)

@@ -43,7 +43,7 @@ class BackwardRefs:
 
     q: tuple  # the step's tiles (blocks.TokenIO): hb x [nc C, K], or one [nc C, hb, K]
     k: tuple
-    v: tuple  # ... V; one [nc C, hb G, V / G] with plan.value_groups = G
+    v: tuple  # ... V; G x [nc C, hb, V / G] with plan.value_groups = G (blocks.py)
     w: tuple  # ... V, or one [hb, nc C] f32 block of a scalar gate (plan.scalar("w"))
     b: tuple  # ... K, or a scalar gate's block
     g: tuple  # ... K, or a scalar gate's block
@@ -56,8 +56,9 @@ class BackwardRefs:
     TA: object  # [U / pack, C, pack C] saved A_qk (lower, diagonal), T^T (upper), lane-packed
     state_in: object  # [hb, K, V] f32 saved state entering the step
     dh_final: object  # [hb, K, V] f32
-    grads: tuple  # dq, dk, dv, dw, db, dg: in HBM (HEAD_MAJOR), or [nc C, hb, d] blocks; a scalar
-    #   gate's gradient: its [hb, nc C] f32 block; dq, dk with plan.key_groups: [nc C, hb / G * K]
+    grads: tuple  # dq, dk, dv, dw, db, dg: in HBM (HEAD_MAJOR; dv, dw with grouped values), or
+    #   [nc C, hb, d] blocks; a scalar gate's gradient: its [hb, nc C] f32 block; dq, dk with
+    #   plan.key_groups: [nc C, hb / G * K]
     dh0: object  # [hb, K, V] f32
     d_gate: object | None  # [hb, 2, K] f32 this step's sums for dA_log, d dt_bias (plan.gate)
     seq_dh0: object | None  # [N, H, K, V] f32 in HBM: per-sequence dh0 (plan.varlen)

@@ -37,7 +37,7 @@ class ForwardRefs:
     q: tuple  # the step's tiles (blocks.TokenIO): hb x [nc C, K], or one [nc C, hb, K] (of key
     #   heads with plan.key_groups), or nc x [C, hb, K] (plan.flat_tokens, flat_tokens.py)
     k: tuple
-    v: tuple  # ... V; one [nc C, hb G, V / G] with plan.value_groups = G
+    v: tuple  # ... V; G x [nc C, hb, V / G] with plan.value_groups = G (blocks.py)
     w: tuple  # ... V, or one [hb, nc C] f32 block of a scalar gate (plan.scalar("w"))
     b: tuple  # ... K, or a scalar gate's block
     g: tuple  # ... K, or a scalar gate's block
@@ -46,16 +46,15 @@ class ForwardRefs:
     seq_h0: object | None  # [N, H, K, V] f32 in HBM: per-sequence initial states (plan.varlen),
     #   or the pool [P, H, G K, V / G] in its dtype (plan.pooled)
     h0: object  # [hb, K, V] f32
-    o: object  # [B, H, t_pad, V] in HBM (HEAD_MAJOR), or the [nc C, hb, V] block ([nc C, hb G,
-    #   V / G] with plan.value_groups = G)
+    o: object  # [B, H, t_pad, V] in HBM (HEAD_MAJOR) or [B, t_pad, G H, V / G] in HBM (grouped
+    #   values), written by DMAs; else the [nc C, hb, V] block
     h_final: object  # [hb, K, V] f32
     seq_h_final: object | None  # [N, H, K, V] f32 in HBM: per-sequence final states (plan.varlen),
     #   or the pool (plan.pooled, aliased to seq_h0)
     TA_out: object | None  # [U / pack, C, pack C] residual: A_qk (lower), T^T (upper), lane-packed
     state_out: object | None  # [hb, K, V] f32: the state entering this step
     chunks_out: object | None  # [nc, hb, K, V] f32: the state entering each chunk of the step
-    #   ([nc, hb G, K, V / G] with plan.value_groups = G)
-    #   (plan.chunk_states)
+    #   (plan.chunk_states; [nc, hb G, K, V / G] with plan.value_groups = G)
     # Scratch.
     S: object  # [hb, K, V] f32 the carried state
     seq_buf: object | None  # [hb, K, V] f32 staging of per-sequence states (plan.varlen), or of

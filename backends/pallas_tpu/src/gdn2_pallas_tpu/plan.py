@@ -195,7 +195,7 @@ class Plan:
     key_groups: int = 1  # heads per key head of q, k (grouped_keys.py): they keep heads /
     #   key_groups heads and each step reads its own from one token block (blocks.TokenIO)
     uniform_gate: bool = False  # the fused gate's dt_bias is one per head (OpSpec.uniform_gate)
-    value_groups: int = 1  # value heads per head of v, w, o (grouped_keys.py, grouped values):
+    value_groups: int = 1  # value heads per head of v, w, o (grouped_values.py):
     #   read and written as the caller's (B, t_pad, value_groups H, dv / value_groups)
 
     def scalar(self, name: str) -> bool:

@@ -30,7 +30,6 @@ from jax import lax
 from gdn2_pallas_tpu import pooled, varlen
 from gdn2_pallas_tpu.blocks import (
     TokenIO,
-    chunk_states_to_view,
     forward_step,
     scalar_from_kernel,
     scalar_to_kernel,
@@ -39,6 +38,7 @@ from gdn2_pallas_tpu.blocks import (
 from gdn2_pallas_tpu.kernels_bwd import backward_call
 from gdn2_pallas_tpu.kernels_fwd import forward_call
 from gdn2_pallas_tpu.plan import Plan
+from gdn2core.plugin import group_state
 
 CPU_MESSAGE = (
     "gdn2 backend 'pallas_tpu' runs Pallas TPU kernels and needs a TPU, but this call runs on "
@@ -232,7 +232,9 @@ def gdn2_pallas_chunk_states(q, k, v, w, b, g, h0, plan: Plan, extras: Extras = 
     o, h_final, _, _, (chunks,) = _forward(q, k, v, w, b, g, h0, extras, plan, False)
     n_chunks = -(-plan.seq_len // plan.C)  # the chunks of the caller's T, not of t_pad
     chunks = chunks if chunks.shape[1] == n_chunks else chunks[:, :n_chunks]
-    return o, h_final, chunk_states_to_view(chunks, plan)
+    if plan.value_groups > 1:  # (B, n, HV, K, V / G) -> the core's view (B, n, H, K, V)
+        chunks = group_state(chunks, plan.value_groups)
+    return o, h_final, chunks
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))

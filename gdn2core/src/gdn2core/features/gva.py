@@ -63,7 +63,7 @@ def group_call(spec: OpSpec, q, k, v, w, h0, repeat_keys: bool = True):
         bsz, seq, heads, dv = spec.batch, spec.seq_len, spec.heads, spec.dv
         v = v.reshape(bsz, seq, heads, G * dv)  # [B, T, H, G*dv]
         w = w.reshape(bsz, seq, heads, G * dv)  # [B, T, H, G*dv]
-        h0 = _group_state(h0, G)  # [L, H, dk, G*dv]
+        h0 = group_state(h0, G)  # [L, H, dk, G*dv]
         return q, k, v, w, h0
     if not repeat_keys:
         return q, k, v, w, h0
@@ -110,9 +110,19 @@ def ungroup_state(spec: OpSpec, h: jax.Array) -> jax.Array:
     return h.reshape(*lead, heads * G, dk, spec.dv)
 
 
-def _group_state(h0: jax.Array, G: int) -> jax.Array:
-    """``(L, HV, dk, dv) -> (L, H, dk, G*dv)``: value head ``h*G + i`` is columns ``i*dv:(i+1)*dv``
-    of key head h."""
-    lead, hv, dk, dv = h0.shape
-    h = h0.reshape(lead, hv // G, G, dk, dv).transpose(0, 1, 3, 2, 4)  # [L, H, dk, G, dv]
-    return h.reshape(lead, hv // G, dk, G * dv)
+def group_state(h: jax.Array, G: int) -> jax.Array:
+    """States of a grouped call in its plain call's view (the inverse of :func:`ungroup_state`;
+    a backend that writes states in the caller's layout hands them back through it, and XLA
+    cancels the pair): value head ``h*G + i`` is columns ``i*dv:(i+1)*dv`` of key head h.
+
+    Args:
+        h: states ``(..., HV, dk, dv)`` (h0, chunk states).
+        G: value heads per key head.
+
+    Returns:
+        ``(..., HV / G, dk, G * dv)``.
+    """
+    *lead, hv, dk, dv = h.shape
+    h = h.reshape(*lead, hv // G, G, dk, dv)  # [..., H, G, dk, dv]
+    h = jnp.moveaxis(h, -3, -2)  # [..., H, dk, G, dv]
+    return h.reshape(*lead, hv // G, dk, G * dv)
