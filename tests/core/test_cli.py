@@ -20,12 +20,12 @@ def test_info_lists_every_backend_with_its_verdict_here(capsys, monkeypatch):
     scan_row = next(ln for ln in out.splitlines() if ln.startswith("scan_baseline"))
     # the capability flags, then what the core provides for every backend
     core = "grouped value heads (core), activations (core, XLA)"
-    assert scan_row.rstrip().endswith(f"features: segment_ids, cu_seqlens, {core}")
+    assert scan_row.rstrip().endswith(f"features: segment_ids, cu_seqlens, float32 g, {core}")
     jax_row = next(ln for ln in out.splitlines() if ln.startswith("jax_ref"))
-    assert jax_row.rstrip().endswith(f"features: segment_ids, cu_seqlens, {core}")
+    assert jax_row.rstrip().endswith(f"features: segment_ids, cu_seqlens, float32 g, {core}")
     pallas_row = next(ln for ln in out.splitlines() if ln.startswith("pallas_tpu"))
     assert pallas_row.rstrip().endswith(
-        "fused activations, scalar gates, grouped value heads (core, keys read grouped)"
+        "fused activations, scalar gates, float32 g, grouped value heads (core, keys read grouped)"
     )
     assert (
         "pallas_tpu (gdn2-pallas-tpu): (1) runs on tpu, this call on cpu; KernelConfig(interpret=True)"

@@ -107,9 +107,9 @@ def test_op_matches_its_own_recurrence(op, option, gate_heads):
 
 @pytest.mark.parametrize("op", list(OPS))
 def test_float32_gates_beside_bfloat16_inputs(op):
-    """fla's layers pass g and beta in float32 beside bfloat16 q, k, v: the call takes them, as
-    the same call on g and beta rounded to bfloat16 first (exactly), and their gradients come
-    back in float32."""
+    """fla's layers pass g and beta in float32 beside bfloat16 q, k, v: g stays float32 (the
+    call differs from the one on g rounded to bfloat16), beta is rounded to bfloat16 (the same
+    call on beta rounded first, exactly), and both gradients come back in float32."""
     chunked, _, _ = OPS[op]
     (q, k, v, g, beta), h0, _, cot = _inputs(op, H, H, {}, b=1)
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
@@ -121,8 +121,10 @@ def test_float32_gates_beside_bfloat16_inputs(op):
 
     (_, (o, h)), (dg, dbeta) = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(g, beta)
     bf = jnp.bfloat16
-    _, (o_b, h_b) = run(g.astype(bf), beta.astype(bf))
+    _, (o_b, h_b) = run(g, beta.astype(bf))
     assert o.dtype == bf and jnp.array_equal(o, o_b) and jnp.array_equal(h, h_b)
+    _, (_, h_g) = run(g.astype(bf), beta)
+    assert not jnp.array_equal(h, h_g), "g was rounded to bfloat16"
     assert dg.dtype == dbeta.dtype == jnp.float32
     assert float(jnp.abs(dg).max()) > 0 and float(jnp.abs(dbeta).max()) > 0
 

@@ -151,6 +151,43 @@ def test_scalar_gates_reach_the_shards_as_they_are():
     assert ScalarGatesSpy.seen and {s[0] for s in ScalarGatesSpy.seen} == {()}
 
 
+class DecayDtypeSpy(ReferenceBackend):
+    """The reference recording g's dtype in each per-shard call."""
+
+    name = "decay_dtype_spy_ref"
+    seen: list = []  # noqa: RUF012
+
+    def forward(self, q, k, v, w, b, g, *args, spec, **kw):
+        DecayDtypeSpy.seen.append((spec.float32_decay, g.dtype.name))
+        return super().forward(q, k, v, w, b, g, *args, spec=spec, **kw)
+
+
+register_backend(DecayDtypeSpy(), replace=True)
+
+
+@pytest.mark.parametrize("sharding", ["batch-heads", "context"])
+def test_float32_decay_reaches_the_shards(sharding):
+    """bfloat16 inputs with a float32 g under batch and head sharding and under context
+    parallelism: every per-shard call gets g in float32; o, h_final and the gradients match the
+    single-device reference on the same values within the kit's bfloat16 bounds, dg in float32."""
+    case = FeatureCase(B=2, T=48, H=4, dk=8, dv=4, rows=CP_ROWS, seed=7)
+    x = make_feature_inputs(case)
+    x = dataclasses.replace(x.astype(jax.numpy.bfloat16), g=x.g)
+    if sharding == "batch-heads":
+        sharded = dict(mesh=mesh_of((2, 4), ("x", "y")), batch_axes="x", head_axes="y")
+    else:
+        sharded = dict(mesh=mesh_of((4, 2), ("c", "d")), context_axis="c", batch_axes="d")
+    DecayDtypeSpy.seen.clear()
+    got = outputs_and_grads(op_function(gdn2_forward_trainable, x, backend=DecayDtypeSpy.name,
+                                        **sharded), x)  # fmt: skip
+    want = outputs_and_grads(op_function(gdn2_token_serial_reference, x), x)
+    assert DecayDtypeSpy.seen and set(DecayDtypeSpy.seen) == {(True, "float32")}
+    assert got[2][5].dtype == jax.numpy.float32
+    names = ("o", "h_final", *x.grad_names)
+    for name, a, e in zip(names, (*got[:2], *got[2]), (*want[:2], *want[2]), strict=True):
+        assert rel_err(a, e) <= tolerance("bfloat16", name), (name, rel_err(a, e))
+
+
 #: Row 0: a sequence across the boundary at 12, starts exactly at the shard boundaries 24 and
 #: 36, a sequence of one token; row 1: one sequence across two boundaries, a start at 30.
 CP_ROWS = ((5, 14, 5, 12, 1, 11), (30, 18))

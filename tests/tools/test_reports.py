@@ -64,3 +64,15 @@ def test_mesh_report_compiles_small_v5e_2x4(backend):
     ctx = by_mode["context"].collectives
     assert any(c.op == "all-gather" for c in ctx)
     assert all(c.bytes <= bound for c in ctx), ctx
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--g-dtype", "float32"], "--g-dtype apply to --estimate only"),
+     (["--estimate", "--dtype", "float32", "--g-dtype", "float32"],
+      "--g-dtype float32: expected --dtype bfloat16, got float32")],
+)  # fmt: skip
+def test_tpu_report_refuses_g_dtype_where_it_means_nothing(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        tpu_report.main(argv)
+    assert message in capsys.readouterr().err

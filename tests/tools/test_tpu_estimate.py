@@ -4,6 +4,8 @@ by HBM bytes of what the profiler prices at 0."""
 
 from __future__ import annotations
 
+import jax
+import numpy as np
 import pytest
 
 from gdn2_tools import tpu_estimate
@@ -22,6 +24,33 @@ def test_chunk_states_roofline_adds_the_states_bytes():
     states = 8 * 6 * 64 * 128 * 128 * 4 / 819e9 * 1e3
     assert fwd == pytest.approx(0.4379, abs=1e-4)
     assert chunks - fwd == pytest.approx(states, rel=1e-9)
+
+
+def test_float32_g_roofline_adds_its_bytes():
+    """The forward (HBM-bound) with a float32 g beside bf16 inputs moves 2 more bytes per value
+    of g: per channel (B T H K 2 bytes, 25.2 MB at B8 T4096 H6, 0.0307 ms at 819 GB/s), or one
+    per head and token for GDN's scalar g."""
+    wide = Program(**{**PROGRAM.__dict__, "decay_dtype": "float32"})
+    extra = tpu_estimate.roofline_ms(wide, "v5e", 64) - tpu_estimate.roofline_ms(PROGRAM, "v5e", 64)
+    assert extra == pytest.approx(8 * 4096 * 6 * 128 * 2 / 819e9 * 1e3, rel=1e-9)
+    gdn = Program(**{**PROGRAM.__dict__, "gates": "gdn"})
+    gdn_wide = Program(**{**gdn.__dict__, "decay_dtype": "float32"})
+    extra = tpu_estimate.roofline_ms(gdn_wide, "v5e", 64) - tpu_estimate.roofline_ms(gdn, "v5e", 64)
+    assert extra == pytest.approx(8 * 4096 * 6 * 2 / 819e9 * 1e3, rel=1e-6)
+
+
+def test_input_specs_take_g_in_its_own_dtype():
+    """``--g-dtype float32``: the compiled program's g is float32 beside bf16 q, k, v, w, b."""
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    from gdn2_tools.train_step import input_specs
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+    specs = input_specs(mesh, 1, 8, 2, 4, 4, dtype=jnp.bfloat16, scalar_gates=("g",),
+                        decay_dtype=jnp.float32)  # fmt: skip
+    assert [s.dtype for s in specs[:6]] == [jnp.bfloat16] * 5 + [jnp.float32]
+    assert specs[5].shape == (1, 8, 2)
 
 
 def _row(monkeypatch, points, residual):

@@ -21,7 +21,8 @@ class ReferenceBackend(Backend):
         name: the name to register it under (default ``"token_serial"``).
         priority: its priority.
         capabilities: what it claims (default: everything, named only: packed sequences of both
-            kinds and fused activations, which it applies token by token, and the decode op).
+            kinds and fused activations, which it applies token by token, the decode op, scalar gates
+            and a float32 g beside bfloat16 inputs).
     """
 
     name = "token_serial"
@@ -33,6 +34,7 @@ class ReferenceBackend(Backend):
         fused_activations=True,
         decode=True,
         scalar_gates=True,
+        float32_decay=True,
     )
 
     def __init__(

@@ -14,7 +14,8 @@ run its tests (they are deselected, not skipped) and the summary lists it as not
 targets, features and cases are in :mod:`gdn2_conformance.target`; the tests of the model
 features (grouped value heads, fused activations, packed sequences) in
 :mod:`gdn2_conformance.feature_suite`; those of the serving ops (decode, chunk states) in
-:mod:`gdn2_conformance.decode_suite`.
+:mod:`gdn2_conformance.decode_suite`; that of a float32 ``g`` beside bfloat16 inputs in
+:mod:`gdn2_conformance.decay_suite`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from gdn2_conformance.checks import (
     outputs_and_grads,
     reference_outputs_and_grads,
 )
+from gdn2_conformance.decay_suite import DecayDtypeTests
 from gdn2_conformance.decode_suite import DecodeTests
 from gdn2_conformance.feature_suite import FeatureTests
 from gdn2_conformance.inputs import GRAD_NAMES, Case, Decay, Inputs, make_inputs
@@ -143,7 +145,7 @@ def _forget_inputs(target: Target) -> list[tuple[Inputs, np.ndarray | None]]:
     ]
 
 
-class ConformanceSuite(FeatureTests, DecodeTests):
+class ConformanceSuite(FeatureTests, DecodeTests, DecayDtypeTests):
     """The suite's tests. Subclass it with ``targets`` set (or leave None: the targets of
     ``--gdn2-backend``); the gdn2 pytest plugin parametrizes every test over them."""
 

@@ -34,6 +34,7 @@ class Feature(enum.StrEnum):
     DECODE = "decode"  # gdn2_decode: outputs, pool, token states, untouched slots, skipped ones
     CHUNK_STATES = "chunk-states"  # gdn2_forward(..., return_chunk_states=True)
     POOLED = "pooled"  # gdn2_ragged's requests on the backend's forward_pooled
+    FLOAT32_DECAY = "float32-decay"  # a float32 g beside bfloat16 inputs, kept in float32
 
 
 #: Features a target can claim only when its backend declares the capability (the field of
@@ -45,6 +46,7 @@ GATED_FEATURES: dict[Feature, str] = {
     Feature.DECODE: "decode",
     Feature.CHUNK_STATES: "chunk_states",
     Feature.POOLED: "pooled",
+    Feature.FLOAT32_DECAY: "float32_decay",
 }
 
 
@@ -263,7 +265,7 @@ def declared_features(name: str, *, interpret: bool = False) -> frozenset[Featur
 
     FORWARD and GVA always (the core resolves grouped value heads for every backend); TRAINABLE,
     BFLOAT16, FLOAT64 from trainability and dtypes; the gated features (:data:`GATED_FEATURES`:
-    SEGMENTS, VARLEN, FUSED_ACTIVATIONS, DECODE, CHUNK_STATES, POOLED) from their ``Capabilities`` fields
+    SEGMENTS, VARLEN, FUSED_ACTIVATIONS, DECODE, CHUNK_STATES, POOLED, FLOAT32_DECAY) from their ``Capabilities`` fields
     (for a backend that does not fuse the activations the core applies them in XLA, tested once
     in gdn2's own tests, not per backend); VMAP unless run in interpret mode (JAX's TPU
     interpret mode does not batch a ``pallas_call``; a target that batches it anyway claims VMAP

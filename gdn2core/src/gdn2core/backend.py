@@ -66,6 +66,9 @@ class Capabilities(BaseModel):
             and return dq, dk in that shape; the spec it gets says so with ``key_groups = G``
             (head ``j`` of the plain call reads key head ``j // G``). Not with ``cu_seqlens``
             nor on a mesh (the core repeats them there).
+        float32_decay: its array methods take ``g`` in float32 beside bfloat16 inputs
+            (``spec.float32_decay``; fla's layers compute the log decay in float32) and return
+            its gradient in float32; otherwise the core casts ``g`` to the inputs' dtype first.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -86,6 +89,7 @@ class Capabilities(BaseModel):
     pooled: bool = False
     scalar_gates: bool = False
     grouped_keys: bool = False
+    float32_decay: bool = False
 
     def view(self, spec: OpSpec) -> OpSpec:
         """The spec this backend sees for a call of ``spec``: grouped value heads resolved
@@ -165,6 +169,7 @@ class Capabilities(BaseModel):
                 ("cu_seqlens", self.varlen),
                 ("fused activations", self.fused_activations),
                 ("scalar gates", self.scalar_gates),
+                ("float32 g", self.float32_decay),
             )
             if on
         ]

@@ -52,6 +52,31 @@ def check_common_dtype(arrays: dict[str, Any]) -> str:
     return dtype
 
 
+def check_decay_dtype(g: Any, dtype: str) -> bool:
+    """Whether ``g`` is a float32 log decay beside bfloat16 inputs (fla's layers compute the
+    decay in float32 and its kernels keep it so); else ``g`` must have the inputs' ``dtype``.
+
+    Args:
+        g: the log decay (anything with a ``dtype``).
+        dtype: the common dtype of the other token inputs.
+
+    Returns:
+        True for float32 ``g`` beside bfloat16 inputs, False for ``g`` in ``dtype``.
+
+    Raises:
+        TypeError: any other dtype of ``g``, naming both accepted ones.
+    """
+    g_dtype = jnp.dtype(g.dtype).name
+    if g_dtype == dtype:
+        return False
+    if g_dtype == "float32" and dtype == "bfloat16":
+        return True
+    wanted = f"{dtype} (that of q, k, v, w, b)"
+    if dtype == "bfloat16":
+        wanted += " or float32 (a log decay kept in float32)"
+    raise TypeError(f"g: expected dtype {wanted}, got {g_dtype}")
+
+
 def check_scale(scale: Any, dk: int) -> float:
     """The query scale of a call: ``scale`` as a float, or ``dk ** -0.5`` for None.
 

@@ -81,6 +81,7 @@ class Program:
     gate: str = ""  # forward/train: the fused gate, "softplus" or a lower bound ("-5"); "" none
     gates: str = ""  # forward/train: scalar gates as KDA ("kda": b, w) or GDN ("gdn": b, w, g)
     #   call the op (gdn2_tools.tpu.SCALAR_GATES); "" the per-channel gates of GDN-2
+    decay_dtype: str = ""  # forward/train: g's dtype, "" the inputs' ("float32" beside bfloat16)
 
     def at(self, B: int, T: int) -> Program:
         return dataclasses.replace(self, B=B, T=T)
@@ -400,7 +401,7 @@ def _child_main(argv: Sequence[str]) -> int:
             program.B, program.T, program.H, program.dk, program.dv, program.dtype, config,
             segments=program.segments, value_heads=program.value_heads,
             value_gates=program.value_gates, gate=program.gate,
-            gates=program.gates,
+            gates=program.gates, decay_dtype=program.decay_dtype,
         )  # fmt: skip
     hlo = compiled.as_text()
     with open(os.path.join(work, "hlo.txt"), "w") as f:

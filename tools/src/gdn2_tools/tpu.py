@@ -111,6 +111,7 @@ def compile_op(
     value_gates: bool = False,
     gate: str = "",
     gates: str = "",
+    decay_dtype: str = "",
 ):
     """Compile one backend's forward, or its train step, for a TPU topology.
 
@@ -135,6 +136,8 @@ def compile_op(
             scalar gates, as ``chunk_kda`` / ``chunk_gated_delta_rule`` pass them; with
             ``"-broadcast"`` the program broadcasts them in XLA before the op; ``""``: all per
             channel.
+        decay_dtype: g's dtype, ``""`` for ``dtype`` (``"float32"`` beside bfloat16: fla's
+            layers' float32 log decay).
 
     Returns:
         The compiled executable.
@@ -143,10 +146,12 @@ def compile_op(
 
     mesh = topology_mesh(topology)
     scalar = SCALAR_GATES[gates]
-    specs = input_specs(mesh, B, T, H, dk, dv, dtype=jnp.dtype(dtype), scalar_gates=scalar)
+    g_dtype = jnp.dtype(decay_dtype) if decay_dtype else None
+    specs = input_specs(mesh, B, T, H, dk, dv, dtype=jnp.dtype(dtype), scalar_gates=scalar,
+                        decay_dtype=g_dtype)  # fmt: skip
     if value_heads and value_heads != H:  # v, w, h0, do, dh on the value heads
         grouped = input_specs(mesh, B, T, value_heads, dk, dv, dtype=jnp.dtype(dtype),
-                              scalar_gates=scalar)  # fmt: skip
+                              scalar_gates=scalar, decay_dtype=g_dtype)  # fmt: skip
         on_values = (2, 3, 4, 5, 6, 7, 8) if value_gates else (2, 3, 6, 7, 8)
         specs = tuple(grouped[i] if i in on_values else x for i, x in enumerate(specs))
     elif value_gates:

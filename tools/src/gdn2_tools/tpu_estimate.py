@@ -54,7 +54,10 @@ def roofline_ms(program: Program, tpu: str, C: int) -> float:
     bwd_flops = 12 * C * K + 8 * C * V + 12 * K * V + 6 * C * K + 2 * C * V + C * C / 3 + 4 * K * V
     # a scalar gate moves one value per head and token, not K or V (its gradient likewise)
     scalar = sum({"w": V, "b": K, "g": K}[n] - 1 for n in SCALAR_GATES[program.gates])
-    fwd_bytes = tokens * (4 * K + 3 * V - scalar) * s + 2 * states
+    # a float32 g beside bfloat16 inputs: its values (and dg's) 2 bytes wider
+    g_values = 1 if "g" in SCALAR_GATES[program.gates] else K
+    wide_g = g_values * (4 - s) if program.decay_dtype == "float32" else 0
+    fwd_bytes = tokens * ((4 * K + 3 * V - scalar) * s + wide_g) + 2 * states
     if program.mode == "chunk-states":  # and the float32 state entering every chunk
         fwd_bytes += -(-program.T // C) * states
     fwd = max(tokens * fwd_flops / flops_peak, fwd_bytes / bandwidth)
@@ -62,7 +65,7 @@ def roofline_ms(program: Program, tpu: str, C: int) -> float:
         return fwd * 1e3
     bwd = max(
         tokens * bwd_flops / flops_peak,
-        (tokens * (8 * K + 5 * V - 2 * scalar) * s + 3 * states) / bandwidth,
+        (tokens * ((8 * K + 5 * V - 2 * scalar) * s + 2 * wide_g) + 3 * states) / bandwidth,
     )
     return (fwd + bwd) * 1e3
 
@@ -203,7 +206,7 @@ def estimate_main(args, config) -> int:
                               args.dtype, args.config, value_heads=args.value_heads,
                               value_gates=args.value_gates,
                               segments=args.segment_ids, gate=args.gate,
-                              gates=gates)  # fmt: skip
+                              gates=gates, decay_dtype=args.g_dtype)  # fmt: skip
             rows[name, gates, mode] = row_of(program, args.tpu, config.bt)
         packed = (
             (f", HV={args.value_heads}" if args.value_heads else "")
@@ -211,6 +214,7 @@ def estimate_main(args, config) -> int:
             + (", segment_ids" if args.segment_ids else "")
             + (f", gate {args.gate}" if args.gate else "")
             + (f", scalar gates as {args.gates.upper()}" if args.gates else "")
+            + (f", g {args.g_dtype}" if args.g_dtype else "")
         )
         print(f"\n{mode} (B={args.batch} T={args.seq_len} H={args.heads} dk={args.dk} dv={args.dv} "
               f"{args.dtype}, {args.tpu}{packed})")  # fmt: skip

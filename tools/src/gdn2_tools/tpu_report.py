@@ -101,6 +101,13 @@ def _parser() -> argparse.ArgumentParser:
         "'...-broadcast' only that; default: GDN-2's per-channel gates",
     )
     p.add_argument(
+        "--g-dtype",
+        default="",
+        choices=("", "float32"),
+        help="with --estimate and --dtype bfloat16: g in float32 (fla's layers compute the log "
+        "decay in float32; the op keeps it so); default: g in the inputs' dtype",
+    )
+    p.add_argument(
         "--table",
         metavar="OUT.md",
         help="write the table of estimates of docs/results.md (train and long shapes, v5e and v6e, bf16 and "
@@ -112,8 +119,13 @@ def _parser() -> argparse.ArgumentParser:
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p = _parser()
     args = p.parse_args(list(argv))
-    if (args.segment_ids or args.value_heads or args.gate or args.gates) and not args.estimate:
-        p.error("--segment-ids, --value-heads, --gate and --gates apply to --estimate only")
+    if (args.segment_ids or args.value_heads or args.gate or args.gates or args.g_dtype) and (
+        not args.estimate
+    ):
+        p.error("--segment-ids, --value-heads, --gate, --gates and --g-dtype apply to --estimate "
+                "only")  # fmt: skip
+    if args.g_dtype and args.dtype != "bfloat16":
+        p.error(f"--g-dtype float32: expected --dtype bfloat16, got {args.dtype}")
     if args.value_gates and args.value_heads in (0, args.heads):
         p.error(f"--value-gates: expected --value-heads other than -H {args.heads}, got "
                 f"{args.value_heads}")  # fmt: skip

@@ -57,6 +57,7 @@ def input_specs(
     head_axes: Any = None,
     context_axis: str | None = None,
     scalar_gates: tuple[str, ...] = (),
+    decay_dtype: Any = None,
 ) -> tuple[jax.ShapeDtypeStruct, ...]:
     """``ShapeDtypeStruct`` of ``(q, k, v, w, b, g, h0, do, dh)`` with their ``NamedSharding``.
 
@@ -68,6 +69,7 @@ def input_specs(
             ``()``: replicated).
         scalar_gates: the gates (of ``"w"``, ``"b"``, ``"g"``) given as ``(B, T, H)`` scalar
             gates, one value per head and token.
+        decay_dtype: g's dtype (None: ``dtype``; float32 beside bfloat16 as fla's layers pass it).
 
     Returns:
         The nine specs.
@@ -89,4 +91,6 @@ def input_specs(
     )
     scalar = jax.ShapeDtypeStruct((B, T, H), dtype, sharding=per_token)
     w, b, g = (scalar if n in scalar_gates else x for n, x in (("w", val), ("b", key), ("g", key)))
+    if decay_dtype is not None:
+        g = jax.ShapeDtypeStruct(g.shape, decay_dtype, sharding=g.sharding)
     return (key, key, val, w, b, g, state, dout, state)

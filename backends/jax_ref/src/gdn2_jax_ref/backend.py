@@ -55,8 +55,9 @@ class JaxRefBackend(Backend):
     name = "jax_ref"
     priority = 100
     capabilities = Capabilities(
-        segments=True, varlen=True, decode=True, chunk_states=True, continued=True
-    )
+        segments=True, varlen=True, decode=True, chunk_states=True, continued=True,
+        float32_decay=True,
+    )  # fmt: skip
 
     def supports(self, spec: OpSpec, config: KernelConfig) -> Verdict:
         """A core config with an even ``bt``, or a :class:`JaxRefConfig`; not another backend's

@@ -97,6 +97,7 @@ class PallasTpuBackend(Backend):
         pooled=True,
         scalar_gates=True,
         grouped_keys=True,
+        float32_decay=True,
     )
 
     def supports(self, spec: OpSpec, config: KernelConfig) -> Verdict:

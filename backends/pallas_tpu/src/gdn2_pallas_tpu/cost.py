@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from gdn2_pallas_tpu.plan import F32_BYTES, Plan
+from gdn2_pallas_tpu.plan import F32_BYTES, Plan, gate_savings
 
 
 def _levels(plan: Plan) -> int:
@@ -49,17 +49,10 @@ def residual_bytes(plan: Plan) -> int:
     return units * plan.C * plan.C * rs + states
 
 
-def scalar_savings(plan: Plan) -> int:
-    """Bytes per token and head that the scalar gates save: ``d`` values of the input dtype each,
-    replaced by one float32."""
-    K, V, s = plan.dk, plan.dv, plan.itemsize
-    return sum({"w": V, "b": K, "g": K}[n] * s - F32_BYTES for n in plan.scalar_gates)
-
-
 def cost_forward(plan: Plan, save_residuals: bool) -> dict[str, int]:
     tokens = plan.batch * plan.heads * plan.t_pad
     K, V, s = plan.dk, plan.dv, plan.itemsize
-    io = tokens * ((4 * K + 3 * V) * s - scalar_savings(plan))
+    io = tokens * ((4 * K + 3 * V) * s - gate_savings(plan))
     io += 2 * plan.batch * plan.heads * K * V * F32_BYTES
     if save_residuals:
         io += residual_bytes(plan)
@@ -75,7 +68,7 @@ def cost_forward(plan: Plan, save_residuals: bool) -> dict[str, int]:
 def cost_backward(plan: Plan) -> dict[str, int]:
     tokens = plan.batch * plan.heads * plan.t_pad
     K, V, s = plan.dk, plan.dv, plan.itemsize
-    io = tokens * ((8 * K + 5 * V) * s - 2 * scalar_savings(plan))  # a gate and its gradient
+    io = tokens * ((8 * K + 5 * V) * s - 2 * gate_savings(plan))  # a gate and its gradient
     io += 3 * plan.batch * plan.heads * K * V * F32_BYTES
     io += residual_bytes(plan)
     return {

@@ -88,9 +88,9 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
         r.dS[...] = r.dh_final[...]
 
     q, k = (io.load_keys(x, K, head_group) for x in (r.q, r.k))  # [U, C, K]
-    b, g_raw = (blocks.load_gate(x, io, K, plan.scalar(n)) for n, x in (("b", r.b), ("g", r.g)))
+    b, g_raw = (blocks.load_gate(x, io, K, n) for n, x in (("b", r.b), ("g", r.g)))
     v, dO = (vio.load(x, V) for x in (r.v, r.dO))  # [U, C, V]
-    w = blocks.load_gate(r.w, vio, V, plan.scalar("w"))  # [U, C, V]
+    w = blocks.load_gate(r.w, vio, V, "w")  # [U, C, V]
     g_in = g_raw
     if plan.fused:  # re-activate the raw inputs (nothing activated was saved)
         gp = None if r.gate_params is None else blocks.load_gate_params(r.gate_params, plan)
@@ -244,9 +244,9 @@ def backward_call(
     if plan.key_groups > 1:  # dq, dk per key head, lane-dense (blocks.key_grad_spec)
         grad_specs[:2] = [blocks.key_grad_spec(plan, step_of, K)] * 2
         grad_shapes[:2] = [jax.ShapeDtypeStruct((B, plan.t_pad, q.shape[2] * K), q.dtype)] * 2
-    grad_stages = [  # one per staged gradient, in order (blocks.TokenIO.staged)
-        t.out_stage(d, q.dtype)
-        for sc, t, d in zip(is_scalar, tiles, dims, strict=True)
+    grad_stages = [  # one per staged gradient, in order (blocks.TokenIO.staged), in its dtype
+        t.out_stage(d, shape.dtype)
+        for sc, t, d, shape in zip(is_scalar, tiles, dims, grad_shapes, strict=True)
         if not sc and t.staged
     ]
     res = (B, plan.head_groups, plan.n_steps)  # residuals: one block per grid step

@@ -115,8 +115,8 @@ def _step(r: ForwardRefs, plan: Plan, save: bool, flat: flat_tokens.FlatTokens |
     K, V, p = plan.dk, plan.dv, plan.precisions
     if flat is None:
         q, k = (io.load_keys(x, K, head_group) for x in (r.q, r.k))  # [U, C, K]
-        b, g = (blocks.load_gate(x, io, K, plan.scalar(n)) for n, x in (("b", r.b), ("g", r.g)))
-        v, w = vio.load(r.v, V), blocks.load_gate(r.w, vio, V, plan.scalar("w"))  # [U, C, V]
+        b, g = (blocks.load_gate(x, io, K, n) for n, x in (("b", r.b), ("g", r.g)))
+        v, w = vio.load(r.v, V), blocks.load_gate(r.w, vio, V, "w")  # [U, C, V]
     else:  # v, w as (T, HV, dv): G value heads per kernel head
         q, k, b, g = (flat.load(x, K) for x in (r.q, r.k, r.b, r.g))  # [U, C, K]
         v, w = (flat.load(x, V, plan.pool_groups) for x in (r.v, r.w))  # [U, C, V]

@@ -49,6 +49,19 @@ def split_bf16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return hi, lo
 
 
+def split_bf16_exact(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``x = hi + mid + lo`` exactly for float32 ``x``, each part bfloat16 (8 significant bits
+    each: 24 in all, a float32's; the rests ``x - hi`` and ``x - hi - mid`` are exact in float32).
+    An infinite or NaN ``x`` (or one whose ``hi`` overflows) is ``hi`` alone, ``mid = lo = 0``."""
+    x = x.astype(F32)
+    hi = x.astype(BF16)
+    hi32 = hi.astype(F32)  # (Mosaic takes isfinite of float32 only)
+    rest = jnp.where(jnp.isfinite(hi32), x - hi32, 0.0)
+    mid = rest.astype(BF16)
+    lo = (rest - mid.astype(F32)).astype(BF16)
+    return hi, mid, lo
+
+
 def _dot(a: jax.Array, b: jax.Array, contract, precision: MatmulPrecision) -> jax.Array:
     dims = (contract, ((0,), (0,)))  # batch over axis 0 (units)
     if precision is MatmulPrecision.F32:

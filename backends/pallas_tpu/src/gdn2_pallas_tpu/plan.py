@@ -197,10 +197,16 @@ class Plan:
     uniform_gate: bool = False  # the fused gate's dt_bias is one per head (OpSpec.uniform_gate)
     value_groups: int = 1  # value heads per head of v, w, o (grouped_values.py):
     #   read and written as the caller's (B, t_pad, value_groups H, dv / value_groups)
+    float32_decay: bool = False  # g (and dg) float32 beside bfloat16 inputs (OpSpec.float32_decay)
 
     def scalar(self, name: str) -> bool:
         """Whether the kernels read gate ``name`` (and write its gradient) as a scalar gate."""
         return name in self.scalar_gates
+
+    def input_dtype(self, name: str):
+        """The dtype of input ``name`` of ``(q, k, v, w, b, g)`` as the caller gave it (and of its
+        gradient): the plan's, or float32 for ``g`` with ``float32_decay``."""
+        return jnp.float32 if name == "g" and self.float32_decay else jnp.dtype(self.dtype)
 
     @property
     def varlen(self) -> bool:
@@ -312,15 +318,26 @@ def precisions_for(dtype: str) -> Precisions:
     return Precisions.uniform(MatmulPrecision.BF16X3)
 
 
+def gate_savings(plan: Plan) -> int:
+    """Bytes per token and head that the gates take less than ``d`` values of the input dtype
+    each: a scalar gate is one float32 (4 bytes instead of ``d`` values); a float32 ``g`` beside
+    bfloat16 inputs (``plan.float32_decay``, on its channels) takes ``(4 - 2) dk`` more. Its
+    gradient likewise."""
+    K, V, s = plan.dk, plan.dv, plan.itemsize
+    saved = sum({"w": V, "b": K, "g": K}[n] * s - F32_BYTES for n in plan.scalar_gates)
+    if plan.float32_decay and not plan.scalar("g"):
+        saved -= (F32_BYTES - s) * K
+    return saved
+
+
 def vmem_bytes(plan: Plan, backward: bool) -> dict[str, int]:
     """The VMEM byte model of one grid step (module docstring)."""
     U, hb, C, K, V, s = plan.units, plan.hb, plan.C, plan.dk, plan.dv, plan.itemsize
     rs = jnp.dtype(plan.residual_dtype).itemsize
     n_in = (4 * K + 3 * V) if backward else (4 * K + 2 * V)  # q k b g (+dO) v w per token
     n_out = (4 * K + 2 * V) if backward else V  # gradients / o per token
-    # a scalar gate: 4 bytes per token instead of d values (and its gradient likewise)
-    scalar = sum({"w": V, "b": K, "g": K}[n] * s - F32_BYTES for n in plan.scalar_gates)
-    in_bytes, out_bytes = n_in * s - scalar, n_out * s - (scalar if backward else 0)
+    gates = gate_savings(plan)  # the scalar gates' bytes (and their gradients'), a float32 g's
+    in_bytes, out_bytes = n_in * s - gates, n_out * s - (gates if backward else 0)
     blocks = 2 * hb * plan.step_len * in_bytes  # double-buffered input tiles
     blocks += hb * plan.step_len * out_bytes  # output staging (manual DMA)
     blocks += 2 * U * C * max(C, NUM_LANES // plan.lane_pack) * rs  # T|A_qk, lane-packed
@@ -401,6 +418,7 @@ def make_plan(
             chunk_states=chunk_states,
             scalar_gates=tuple(scalar_gates),
             uniform_gate=spec.uniform_gate,
+            float32_decay=spec.float32_decay,
         )
         need = max(vmem_bytes(plan, False)["total"], vmem_bytes(plan, True)["total"])
         if need <= budget or (nc == 1 and hb == 1):

@@ -161,10 +161,12 @@ def _to_kernel(plan: Plan, xs) -> list[jax.Array]:
     ]
 
 
-def _from_kernel(plan: Plan, ys, dtype) -> list[jax.Array]:
-    """Inverse of :func:`_to_kernel`; a scalar gate's (gradient) back in ``dtype``."""
+def _from_kernel(plan: Plan, ys) -> list[jax.Array]:
+    """Inverse of :func:`_to_kernel`; a scalar gate's (gradient) back in its input's dtype."""
     return [
-        scalar_from_kernel(y, plan, dtype) if plan.scalar(name) else _io(plan, name).from_kernel(y)
+        scalar_from_kernel(y, plan, plan.input_dtype(name))
+        if plan.scalar(name)
+        else _io(plan, name).from_kernel(y)
         for name, y in zip(INPUT_NAMES, ys, strict=True)
     ]
 
@@ -291,7 +293,7 @@ def _vjp_bwd(plan: Plan, saved, cotangents):
     )
     if plan.key_groups > 1:  # dq, dk (B, t_pad, H / G * K) -> q's kernel layout
         grads = [g.reshape(res.q.shape) if i < 2 else g for i, g in enumerate(grads)]
-    return (*_from_kernel(plan, grads, res.q.dtype), dh0, d_ex)
+    return (*_from_kernel(plan, grads), dh0, d_ex)
 
 
 def _no_gradient(x):

@@ -20,7 +20,7 @@ class ScanBaselineBackend(Backend):
     priority = 10
     # A baseline: only used when named. Packed sequences of both kinds; the activations are
     # applied by the core (in XLA) before the scan.
-    capabilities = Capabilities(auto=False, segments=True, varlen=True)
+    capabilities = Capabilities(auto=False, segments=True, varlen=True, float32_decay=True)
 
     def supports(self, spec, config) -> Verdict:
         """Refuses shapes whose scan would not fit in memory (the reason gives the bytes)."""

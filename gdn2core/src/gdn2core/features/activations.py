@@ -19,8 +19,8 @@ flat (saturated, or a full erase ``g = -inf``) its gradients are 0, not NaN. The
 of the plain formulas (a held factor only turns an infinite ``g`` into one below any decay floor).
 
 The XLA path (:func:`apply_activations`) computes in the state dtype (float32; float64 for
-float64 inputs) and rounds the activated tensors to the input dtype, since a backend takes one
-common dtype; it is differentiable in the raw inputs, ``A_log`` and ``dt_bias``.
+float64 inputs) and rounds each activated tensor to its input's dtype (a float32 ``g`` beside
+bfloat16 inputs stays float32); it is differentiable in the raw inputs, ``A_log`` and ``dt_bias``.
 """
 
 from __future__ import annotations
@@ -177,11 +177,12 @@ def apply_activations(
 
     Args:
         act: the activations.
-        q, k: ``(B, T, H, dk)``; w: ``(B, T, HV, dv)``; b, g: ``(B, T, Hg, dk)``; one dtype.
+        q, k: ``(B, T, H, dk)``; w: ``(B, T, HV, dv)``; b, g: ``(B, T, Hg, dk)``; one dtype
+            (g may be float32 beside bfloat16 inputs).
         A_log, dt_bias: the gate parameters (as :func:`check_gate_params` admits).
 
     Returns:
-        ``(q, k, w, b, g)`` activated, in the input dtype (computed in the state dtype).
+        ``(q, k, w, b, g)`` activated, each in its input dtype (computed in the state dtype).
     """
     dtype = q.dtype
     acc = jnp.float64 if dtype == jnp.float64 else jnp.float32
@@ -196,5 +197,5 @@ def apply_activations(
         w = sigmoid(up(w)).astype(dtype)
     if act.gate != GateMode.NONE:
         bias = None if dt_bias is None else up(dt_bias)
-        g = gate(act, up(g), up(A_log), bias).astype(dtype)
+        g = gate(act, up(g), up(A_log), bias).astype(g.dtype)
     return q, k, w, b, g

@@ -128,7 +128,7 @@ def backend_inputs(backend: Backend, spec: OpSpec, args, h0, extras: OpExtras):
     """What the backend receives for a call: ``(view, (q, k, v, w, b, g), h0, extras | None)``:
     scalar gates broadcast unless it takes them (and w's always under grouped value heads, whose
     kernel heads have ``G * dv`` value channels), the activations applied in XLA unless it fuses
-    them, grouped value heads resolved (q, k not repeated for a backend that reads them grouped,
+    them, a float32 ``g`` beside bfloat16 inputs cast to their dtype unless it takes it, grouped value heads resolved (q, k not repeated for a backend that reads them grouped,
     ``view.key_groups``; with b, g on the key heads ``view.value_groups`` says how v, w were
     grouped), and the extras (None when the call has no packed
     sequences and no fused activations)."""
@@ -145,6 +145,9 @@ def backend_inputs(backend: Backend, spec: OpSpec, args, h0, extras: OpExtras):
     if in_xla:
         q, k, w, b, g = apply_activations(spec.activations, q, k, w, b, g, A_log, dt_bias)
         A_log = dt_bias = None
+    if view.float32_decay and not caps.float32_decay:  # g in the inputs' dtype (differentiable)
+        g = g.astype(q.dtype)
+        view = dataclasses.replace(view, float32_decay=False)
     A_log = None if A_log is None else A_log.astype(acc)
     dt_bias = None if dt_bias is None else dt_bias.astype(acc)
     grouped = (  # repeated keys that the backend reads grouped (Capabilities.grouped_keys)

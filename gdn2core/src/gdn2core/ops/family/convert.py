@@ -14,10 +14,11 @@ here on the ``(B, T, Hg)`` beta; ``A_log``, ``dt_bias`` (``(Hg * dk,)`` as fla l
 ``(Hg, dk)``; GDN's ``(Hg,)``), ``lower_bound`` and ``use_qk_l2norm_in_kernel`` go to the
 operator's fused activations; ``state_v_first`` transposes the states in and out.
 
-One deliberate difference: the GDN-2 call takes one dtype for q, k, v and the gates, so ``g`` and
-``beta`` are cast to q's (fla's layers compute them in float32 beside bfloat16 q, and fla's
-kernels keep ``g`` in float32; here a bfloat16 call rounds the log decays to bfloat16, and the
-gradients return in their own dtype).
+Dtypes: ``g`` in float32 beside bfloat16 q stays float32 (fla's layers compute the log decay in
+float32 and its kernels keep it so; the GDN-2 call takes it as ``OpSpec.float32_decay``); any
+other ``g`` and ``beta`` are cast to q's dtype (a deliberate difference for ``beta``: fla's
+kernels read a float32 beta as it is, here it is rounded to bfloat16 in a bfloat16 call, as fla's
+layers compute it). The gradients return in each argument's own dtype.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ import jax
 import jax.numpy as jnp
 
 from gdn2core.checks import expect_shape
+
+
+def _decay_dtype(q: jax.Array) -> jnp.dtype:
+    """The dtype ``g`` may keep beside ``q``: float32 beside bfloat16, else q's."""
+    return jnp.dtype(jnp.float32) if q.dtype == jnp.bfloat16 else jnp.dtype(q.dtype)
+
 
 #: fla keywords accepted without an effect on the result (performance and memory hints of fla's
 #: kernels; ``safe_gate`` promises ``g >= lower_bound``, which the GDN-2 kernels do not need to be
@@ -116,8 +123,8 @@ def convert(op: str, q, k, v, g, beta, *, scalar_gate: bool, scale, initial_stat
     else:
         expect_shape("g", g.shape, (B, T, Hg, dk), "(B, T, Hg, dk) as beta")
 
-    if jnp.issubdtype(g.dtype, jnp.floating) and g.dtype != q.dtype:
-        g = g.astype(q.dtype)  # fla's layers compute g in float32 beside bf16 q: one dtype here
+    if jnp.issubdtype(g.dtype, jnp.floating) and g.dtype not in (q.dtype, _decay_dtype(q)):
+        g = g.astype(q.dtype)  # float32 g beside bf16 q stays float32 (OpSpec.float32_decay)
     if use_beta_sigmoid_in_kernel:  # on the scalar beta: one beta erases and writes
         acc = jnp.promote_types(beta.dtype, jnp.float32)  # the state dtype
         beta = jax.nn.sigmoid(beta.astype(acc)) * (2.0 if allow_neg_eigval else 1.0)

@@ -104,7 +104,8 @@ def gdn2_forward(
             ``j // (HV // H)``).
         b, g: erase gate and log decay, ``(B, T, Hg, dk)`` with ``Hg`` = ``H`` (shared by each
             group of value heads) or ``HV``. All six share one floating dtype (float32,
-            bfloat16 or float64).
+            bfloat16 or float64), except ``g``, which may be float32 beside bfloat16 inputs
+            (fla's layers compute the log decay in float32; it is then kept in float32).
         scale: query scale, a real number; None for ``dk ** -0.5``.
         h0: initial state ``(B, HV, dk, dv)`` (``(N, HV, dk, dv)`` with ``cu_seqlens``), float32
             (float32 or float64 for float64 inputs); None for zeros.

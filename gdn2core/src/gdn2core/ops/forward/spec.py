@@ -16,7 +16,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from gdn2core.checks import check_common_dtype, check_scale, expect_shape
+from gdn2core.checks import check_common_dtype, check_decay_dtype, check_scale, expect_shape
 from gdn2core.features.activations import check_gate_params
 from gdn2core.features.segments import check_segments
 from gdn2core.options import NO_ACTIVATIONS, Activations, GateMode, SegmentMode
@@ -43,7 +43,7 @@ class OpSpec:
     heads: int  # H: heads of q and k
     dk: int
     dv: int
-    dtype: str  # common floating dtype of q, k, v, w, b, g ("float32", "bfloat16", "float64")
+    dtype: str  # common floating dtype of q, k, v, w, b (and g) ("float32", "bfloat16", "float64")
     scale: float
     value_heads: int = 0  # HV: heads of v, w, the state and o (0: heads)
     gate_heads: int = 0  # heads of b and g: heads or value_heads (0: heads)
@@ -60,6 +60,8 @@ class OpSpec:
     #   v, w and o are the caller's (B, T, value_groups H, dv / value_groups) reshaped, each head's
     #   dv channels value_groups value heads side by side; a backend may read them so (a hint:
     #   the arrays are the plain call's either way)
+    float32_decay: bool = False  # g is float32 beside bfloat16 inputs (fla's layers compute the
+    #   log decay in float32); a backend without Capabilities.float32_decay gets it cast to dtype
 
     def __post_init__(self) -> None:
         if self.value_heads == 0:
@@ -198,7 +200,8 @@ class OpSpec:
                 f"g: expected the heads of b ({gheads}), got shape {tuple(int(s) for s in g.shape)}"
             )
 
-        dtype = check_common_dtype(arrays)
+        dtype = check_common_dtype({n: x for n, x in arrays.items() if n != "g"})
+        float32_decay = check_decay_dtype(g, dtype)
 
         segments, n_seqs = check_segments(segment_ids, cu_seqlens, bsz, seq)
         if h0 is not None:
@@ -248,4 +251,5 @@ class OpSpec:
             activations=activations,
             scalar_gates=scalar_gates,
             uniform_gate=uniform_gate,
+            float32_decay=float32_decay,
         )
