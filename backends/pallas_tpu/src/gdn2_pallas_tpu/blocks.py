@@ -411,8 +411,10 @@ def load_scalar(ref, plan: Plan, d: int, dtype) -> jax.Array:
     (matmul.split_bf16_exact), stacked on the contracted axis against three copies of ``sel``,
     so each output sums them back in the float32 accumulator, exactly (still one pass: the
     contraction of 3 hb is within one MXU tile). Static cycle estimates, v5e, GDN train step
-    with a float32 g at B8 T4096 H6: 2.957 ms with g rounded to bfloat16, 3.280 ms with the
-    product at ``Precision.HIGHEST`` (six passes), 0.000 ms with the parts. At B1 T1024 H6
+    at B8 T4096 H6 with a float32 g (``gdn2 tpu-report --estimate --gates gdn --g-dtype
+    float32``): 3.213 ms, against 3.203 ms with g in bfloat16; with the float32 product at
+    ``Precision.HIGHEST`` (six passes) about 11% slower (a one-off tpu_static driver: 3.280
+    against 2.967 ms), and float32 inputs 6.222 -> 5.358 ms with the parts. At B1 T1024 H6
     (bfloat16): backward 122,516 cycles against 131,999 for a transpose and lane broadcasts
     (the full-gate kernel: 120,478)."""
     hb = plan.hb
