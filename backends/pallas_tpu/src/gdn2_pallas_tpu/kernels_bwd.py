@@ -202,6 +202,7 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
             r.d_gate[...] = blocks.per_head_sums(partial, plan)  # [hb, 2, K]
     grads = (dq, dk, dv, dw, db, dg)
     stages = iter(r.stages or ())  # the staged gradients' buffers, in order
+    staged = []  # their writes, started together (blocks.write_staged)
     for m, (x, out) in enumerate(zip(grads, r.grads, strict=True)):
         if plan.scalar(GATE_OF_GRAD.get(GRAD_NAMES[m], "")):  # summed over the channels
             blocks.store_scalar(x, out, plan)
@@ -211,8 +212,12 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
             continue
         sems = None if r.sems is None else r.sems.at[jnp.int32(m)]
         tiles = vio if GRAD_NAMES[m] in VALUE_GRADS else io
-        stage = next(stages) if tiles.staged else None
-        tiles.store(x, out, stage, sems, batch, head_group, step)
+        if tiles.staged:
+            staged.append(tiles.staged_write(x, out, next(stages), sems, batch, head_group, step))
+        else:
+            tiles.store(x, out, None, sems, batch, head_group, step)
+    if staged:
+        blocks.write_staged(staged)
     if seqs is not None:  # the last step waits for the dh0 writes still in flight
         seqs.writes.close()
 
