@@ -98,8 +98,9 @@ class DecayDtypeTests:
 
     @capability(Feature.FLOAT32_DECAY, Feature.BFLOAT16, Feature.TRAINABLE)
     def test_float32_decay_gradients(self, gdn2_target: Target):
-        """The kit's first case with bfloat16 inputs and a float32 g: o, h_final and the seven
-        gradients against the reference; dg in float32, the others in bfloat16."""
+        """A case of T = C + 5 (a partial chunk) with bfloat16 inputs and a float32 g: o, h_final
+        and the seven gradients against the reference; dg in float32, the others in their
+        arguments' dtypes (bfloat16, h0's float32)."""
         dk, dv = gdn2_target.head_sizes[0]
         case = Case(B=1, T=gdn2_target.config.bt + 5, H=2, dk=dk, dv=dv, seed=42)
         x = with_float32_decay(make_inputs(case))
