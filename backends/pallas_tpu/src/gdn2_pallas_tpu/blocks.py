@@ -442,7 +442,7 @@ def load_scalar(ref, plan: Plan, d: int, dtype) -> jax.Array:
     so each output sums them back in the float32 accumulator, exactly (still one pass: the
     contraction of 3 hb is within one MXU tile). Static cycle estimates, v5e, GDN train step
     at B8 T4096 H6 with a float32 g (``gdn2 tpu-report --estimate --gates gdn --g-dtype
-    float32``): 3.213 ms, against 3.203 ms with g in bfloat16; with the float32 product at
+    float32``): 3.071 ms, against 3.062 ms with g in bfloat16; with the float32 product at
     ``Precision.HIGHEST`` (six passes) about 11% slower (a one-off tpu_static driver: 3.280
     against 2.967 ms), and float32 inputs 6.222 -> 5.358 ms with the parts. At B1 T1024 H6
     (bfloat16): backward 122,516 cycles against 131,999 for a transpose and lane broadcasts
