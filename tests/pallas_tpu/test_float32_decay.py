@@ -20,15 +20,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import gdn2core
-from gdn2_conformance import assert_close, make_inputs, rel_err, tolerance
-from gdn2_conformance.checks import (
-    op_function,
-    outputs_and_grads,
-    reference_outputs,
-    reference_outputs_and_grads,
-)
-from gdn2_conformance.decay_suite import ROUNDED_FACTOR, decay_inputs, with_float32_decay
-from gdn2_conformance.inputs import GRAD_NAMES, Case
+from gdn2_conformance.decay_suite import check_decay_case, check_gradients, decay_inputs
 from gdn2_conformance.target import Target
 from gdn2_pallas_tpu.plan import F32_BYTES, make_plan, vmem_bytes
 from gdn2_tools.tpu import compile_for_tpu, topology_mesh
@@ -45,28 +37,13 @@ def test_decay_case_token_major(scalar):
     x = decay_inputs(TARGET, H)
     if scalar:
         x = dataclasses.replace(x, g=x.g[..., 0])  # [B, T, H]: GDN's decay
-    o, h = gdn2core.gdn2_forward(*x.args, backend="pallas_tpu", config=TARGET.config)
-    expected = reference_outputs(x)
-    rounded = reference_outputs(dataclasses.replace(x, g=x.g.astype(jnp.bfloat16)))
-    assert rel_err(rounded[0], expected[0]) > ROUNDED_FACTOR * tolerance("bfloat16", "o")
-    assert_close("o", o, expected[0], "bfloat16")
-    assert_close("h_final", h, expected[1], "bfloat16")
+    check_decay_case(TARGET, x, "scalar g" if scalar else "g")
 
 
 def test_gradients_token_major():
     """The seven gradients against the reference; dg float32 (the kernel's token-major output
     block of g's dtype), the others bfloat16."""
-    case = Case(B=1, T=TARGET.config.bt + 5, H=H, dk=64, dv=64, seed=43)
-    x = with_float32_decay(make_inputs(case))
-    fn = op_function(gdn2core.gdn2_forward_trainable, x, backend="pallas_tpu",
-                     config=TARGET.config)  # fmt: skip
-    o, h, grads = outputs_and_grads(fn, x)
-    o_ref, h_ref, expected = reference_outputs_and_grads(x)
-    assert_close("o", o, o_ref, "bfloat16")
-    assert_close("h_final", h, h_ref, "bfloat16")
-    for name, got, want, arg in zip(GRAD_NAMES, grads, expected, x.diff_args, strict=False):
-        assert got.dtype == arg.dtype, f"{name}: dtype {got.dtype}, expected {arg.dtype}"
-        assert_close(name, got, want, "bfloat16")
+    check_gradients(TARGET, H, seed=43)
 
 
 def test_vmem_model_counts_a_float32_g():

@@ -72,45 +72,52 @@ def decay_inputs(target: Target, H: int = 2) -> Inputs:
     )
 
 
+def check_decay_case(target: Target, x: Inputs, label: str = "g") -> None:
+    """The target's o and h_final on decay-case inputs ``x`` (:func:`decay_inputs`, g full or
+    scalar) within the bfloat16 tolerance of the reference on the float32 g, after checking that
+    the reference on g rounded to bfloat16 misses by more than ``ROUNDED_FACTOR`` tolerances."""
+    o, h = gdn2_forward(*x.args, h0=None, config=target.config, backend=target.backend)
+    expected = reference_outputs(x)
+    rounded = reference_outputs(dataclasses.replace(x, g=x.g.astype(jnp.bfloat16)))
+    tol = tolerance("bfloat16", "o", default_platform())
+    miss = rel_err(rounded[0], expected[0])
+    assert miss > ROUNDED_FACTOR * tol, (
+        f"decay case ({label}): g rounded to bfloat16 moves o by only {miss:.2e}, "
+        f"expected more than {ROUNDED_FACTOR:g} x {tol:.0e}"
+    )
+    assert_close(f"o ({label})", o, expected[0], "bfloat16")
+    assert_close(f"h_final ({label})", h, expected[1], "bfloat16")
+
+
+def check_gradients(target: Target, H: int = 2, seed: int = 42) -> None:
+    """A case of T = C + 5 (a partial chunk), ``H`` heads, bfloat16 inputs and a float32 g: o,
+    h_final and the seven gradients of the target against the reference; dg in float32, the
+    others in their arguments' dtypes (bfloat16, h0's float32)."""
+    dk, dv = target.head_sizes[0]
+    case = Case(B=1, T=target.config.bt + 5, H=H, dk=dk, dv=dv, seed=seed)
+    x = with_float32_decay(make_inputs(case))
+    fn = op_function(gdn2_forward_trainable, x, config=target.config, backend=target.backend)
+    o, h, grads = outputs_and_grads(fn, x)
+    o_ref, h_ref, expected = reference_outputs_and_grads(x)
+    assert_close("o", o, o_ref, "bfloat16")
+    assert_close("h_final", h, h_ref, "bfloat16")
+    for name, got, want, arg in zip(GRAD_NAMES, grads, expected, x.diff_args, strict=False):
+        assert got.dtype == arg.dtype, f"{name}: dtype {got.dtype}, expected {arg.dtype}"
+        assert_close(name, got, want, "bfloat16")
+
+
 class DecayDtypeTests:
     """The float32-decay tests (a mixin of the conformance suite)."""
 
     @capability(Feature.FLOAT32_DECAY, Feature.BFLOAT16)
     def test_float32_decay(self, gdn2_target: Target):
-        """The decay case, with g on its channels and as GDN's scalar ``(B, T, H)`` decay: o and
-        h_final within the bfloat16 tolerance of the reference on the float32 g, where the
-        reference on g rounded to bfloat16 is off by more than ``ROUNDED_FACTOR`` tolerances."""
+        """The decay case, with g on its channels and as GDN's scalar ``(B, T, H)`` decay
+        (:func:`check_decay_case`)."""
         full = decay_inputs(gdn2_target)
-        for label, x in (("g", full), ("scalar g", dataclasses.replace(full, g=full.g[..., 0]))):
-            o, h = gdn2_forward(
-                *x.args, h0=None, config=gdn2_target.config, backend=gdn2_target.backend
-            )
-            expected = reference_outputs(x)
-            rounded = reference_outputs(dataclasses.replace(x, g=x.g.astype(jnp.bfloat16)))
-            tol = tolerance("bfloat16", "o", default_platform())
-            miss = rel_err(rounded[0], expected[0])
-            assert miss > ROUNDED_FACTOR * tol, (
-                f"decay case ({label}): g rounded to bfloat16 moves o by only {miss:.2e}, "
-                f"expected more than {ROUNDED_FACTOR:g} x {tol:.0e}"
-            )
-            assert_close(f"o ({label})", o, expected[0], "bfloat16")
-            assert_close(f"h_final ({label})", h, expected[1], "bfloat16")
+        check_decay_case(gdn2_target, full, "g")
+        check_decay_case(gdn2_target, dataclasses.replace(full, g=full.g[..., 0]), "scalar g")
 
     @capability(Feature.FLOAT32_DECAY, Feature.BFLOAT16, Feature.TRAINABLE)
     def test_float32_decay_gradients(self, gdn2_target: Target):
-        """A case of T = C + 5 (a partial chunk) with bfloat16 inputs and a float32 g: o, h_final
-        and the seven gradients against the reference; dg in float32, the others in their
-        arguments' dtypes (bfloat16, h0's float32)."""
-        dk, dv = gdn2_target.head_sizes[0]
-        case = Case(B=1, T=gdn2_target.config.bt + 5, H=2, dk=dk, dv=dv, seed=42)
-        x = with_float32_decay(make_inputs(case))
-        fn = op_function(
-            gdn2_forward_trainable, x, config=gdn2_target.config, backend=gdn2_target.backend
-        )
-        o, h, grads = outputs_and_grads(fn, x)
-        o_ref, h_ref, expected = reference_outputs_and_grads(x)
-        assert_close("o", o, o_ref, "bfloat16")
-        assert_close("h_final", h, h_ref, "bfloat16")
-        for name, got, want, arg in zip(GRAD_NAMES, grads, expected, x.diff_args, strict=False):
-            assert got.dtype == arg.dtype, f"{name}: dtype {got.dtype}, expected {arg.dtype}"
-            assert_close(name, got, want, "bfloat16")
+        """Every gradient and its dtype (:func:`check_gradients`)."""
+        check_gradients(gdn2_target)
