@@ -52,6 +52,12 @@ def check_common_dtype(arrays: dict[str, Any]) -> str:
     return dtype
 
 
+def is_float32_decay(g_dtype: Any, dtype: Any) -> bool:
+    """Whether a ``g`` of ``g_dtype`` beside inputs of ``dtype`` is the float32 log decay the
+    operator keeps as it is (float32 beside bfloat16)."""
+    return jnp.dtype(g_dtype) == jnp.float32 and jnp.dtype(dtype) == jnp.bfloat16
+
+
 def check_decay_dtype(g: Any, dtype: str) -> bool:
     """Whether ``g`` is a float32 log decay beside bfloat16 inputs (fla's layers compute the
     decay in float32 and its kernels keep it so); else ``g`` must have the inputs' ``dtype``.
@@ -69,7 +75,7 @@ def check_decay_dtype(g: Any, dtype: str) -> bool:
     g_dtype = jnp.dtype(g.dtype).name
     if g_dtype == dtype:
         return False
-    if g_dtype == "float32" and dtype == "bfloat16":
+    if is_float32_decay(g_dtype, dtype):
         return True
     wanted = f"{dtype} (that of q, k, v, w, b)"
     if dtype == "bfloat16":

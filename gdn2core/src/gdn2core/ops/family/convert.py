@@ -29,13 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gdn2core.checks import expect_shape
-
-
-def _decay_dtype(q: jax.Array) -> jnp.dtype:
-    """The dtype ``g`` may keep beside ``q``: float32 beside bfloat16, else q's."""
-    return jnp.dtype(jnp.float32) if q.dtype == jnp.bfloat16 else jnp.dtype(q.dtype)
-
+from gdn2core.checks import expect_shape, is_float32_decay
 
 #: fla keywords accepted without an effect on the result (performance and memory hints of fla's
 #: kernels; ``safe_gate`` promises ``g >= lower_bound``, which the GDN-2 kernels do not need to be
@@ -123,7 +117,8 @@ def convert(op: str, q, k, v, g, beta, *, scalar_gate: bool, scale, initial_stat
     else:
         expect_shape("g", g.shape, (B, T, Hg, dk), "(B, T, Hg, dk) as beta")
 
-    if jnp.issubdtype(g.dtype, jnp.floating) and g.dtype not in (q.dtype, _decay_dtype(q)):
+    keep = g.dtype == q.dtype or is_float32_decay(g.dtype, q.dtype)
+    if jnp.issubdtype(g.dtype, jnp.floating) and not keep:
         g = g.astype(q.dtype)  # float32 g beside bf16 q stays float32 (OpSpec.float32_decay)
     if use_beta_sigmoid_in_kernel:  # on the scalar beta: one beta erases and writes
         acc = jnp.promote_types(beta.dtype, jnp.float32)  # the state dtype
