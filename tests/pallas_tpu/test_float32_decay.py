@@ -6,7 +6,8 @@ Interpret mode: the conformance kit's decay case (gdn2_conformance.decay_suite: 
 bfloat16 moves o by ~10%) with 8 token-major heads, full and scalar g, and the kit's bfloat16
 gradients case there (bounds: the kit's bfloat16 ones, 3e-2 on outputs, 6e-2 on gradients: both
 sides use the same bf16 values). A deviceless v5e compile of the train step in both layouts: the
-kernels take g and return dg as float32 arrays of g's size. The VMEM model counts g's bytes.
+kernels take g and return dg as float32 arrays of g's size; the decode kernel takes it as float32
+too (its serving tests: the kit's decode and ragged decay cases). The VMEM models count g's bytes.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import gdn2core
 from gdn2_conformance.decay_suite import check_decay_case, check_gradients, decay_inputs
 from gdn2_conformance.target import Target
 from gdn2_pallas_tpu.plan import F32_BYTES, make_plan, vmem_bytes
-from gdn2_tools.tpu import compile_for_tpu, topology_mesh
+from gdn2_tools.tpu import compile_decode, compile_for_tpu, topology_mesh
 from gdn2core import KernelConfig, OpSpec
 
 TARGET = Target("pallas_tpu", KernelConfig(bt=16, interpret=True), head_sizes=((64, 64),))
@@ -102,6 +103,21 @@ def test_scalar_float32_g_compiles_on_v5e(heads, dtype):
     beta = jax.ShapeDtypeStruct((1, T, heads), dtype, sharding=sharding)
     g = jax.ShapeDtypeStruct((1, T, heads), jnp.float32, sharding=sharding)
     _kernels(compile_for_tpu(_train_step, x, x, x, beta, beta, g, x).as_text())
+
+
+@pytest.mark.parametrize("topology", ["v5e:1x1", "v6e:1x1"])
+def test_decode_compiles_with_float32_g(topology):
+    """The decode kernel, bfloat16 tokens and a float32 g (N = 8, S = 4, 16 key heads, 32 value
+    heads, d = 128, a bfloat16 pool): Mosaic compiles it, and its g operand is float32 (the core
+    repeats g to the 32 value heads: ``(8, 4, 32, 128)``); before, the core rounded g."""
+    text = compile_decode(
+        "pallas_tpu", topology, 8, 4, 16, 32, 128, 128, "bfloat16", "bfloat16",
+        pool_size=24, decay_dtype="float32",
+    ).as_text()  # fmt: skip
+    (kernel,) = [line for line in text.splitlines() if "tpu_custom_call" in line]
+    assert "gdn2_decode" in kernel
+    operands = kernel.split("operand_layout_constraints={")[1].split("}}")[0]
+    assert _f32_arrays_of(operands, (8, 4, 32, 128)) == 1, operands
 
 
 def _train_step(q, k, v, w, b, g, do):

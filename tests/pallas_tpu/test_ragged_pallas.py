@@ -193,16 +193,23 @@ def test_a_supports_pooled_that_raises_refuses_the_pooled_forward(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "pool_dtype, heads, value_heads",
-    [(jnp.float32, H, HV), (jnp.bfloat16, H, HV), (jnp.float32, 16, 32)],
-    ids=["float32", "bfloat16", "token-major"],
+    "pool_dtype, heads, value_heads, g_dtype",
+    [
+        (jnp.float32, H, HV, jnp.bfloat16),
+        (jnp.bfloat16, H, HV, jnp.bfloat16),
+        (jnp.float32, 16, 32, jnp.bfloat16),
+        (jnp.float32, 16, 32, jnp.float32),
+    ],
+    ids=["float32", "bfloat16", "token-major", "token-major-float32-g"],
 )
 def test_ragged_call_compiles_to_mosaic_for_v5e_with_the_pool_in_place(
-    pool_dtype, heads, value_heads
+    pool_dtype, heads, value_heads, g_dtype
 ):
     """H = 1 (head-major: XLA moves the inputs into the padded row) and H = 16, HV = 32
     (token-major: the pooled kernel reads the flat tokens and writes o at them, flat_tokens.py:
-    no token row is gathered, none relaid out)."""
+    no token row is gathered, none relaid out). A float32 g beside the bfloat16 tokens: both
+    kernels take it as float32 (the decode kernel on the decodes' rows, the pooled one on the
+    flat tokens)."""
     mesh = topology_mesh("v5e:1x1")
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     t, n = 64, 5
@@ -212,6 +219,7 @@ def test_ragged_call_compiles_to_mosaic_for_v5e_with_the_pool_in_place(
     ints = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=rep)
     cu = jax.ShapeDtypeStruct((n + 1,), jnp.int32, sharding=rep)
     ck = jax.ShapeDtypeStruct((n, 2), jnp.int32, sharding=rep)
+    decay = jax.ShapeDtypeStruct((t, heads, 128), g_dtype, sharding=rep)
 
     def step(q, k, v, w, b, g, pool, cu, idx, ctx, ck):
         return gdn2_ragged(
@@ -220,12 +228,21 @@ def test_ragged_call_compiles_to_mosaic_for_v5e_with_the_pool_in_place(
         )  # fmt: skip
 
     compiled = compile_for_tpu(
-        step, key, key, val, val, key, key, pool, cu, ints, ints, ck, donate_argnums=(6,)
+        step, key, key, val, val, key, decay, pool, cu, ints, ints, ck, donate_argnums=(6,)
     )
     text = compiled.as_text()
     assert "tpu_custom_call" in text
     kernels = {name for name in ("gdn2_decode", "gdn2_fwd_pooled") if name in text}
     assert kernels == {"gdn2_decode", "gdn2_fwd_pooled"}, kernels
+    if g_dtype == jnp.float32:  # g's operand: the decodes' rows [3, 1, HV, d], the flat tokens
+        for name, g_type in (("gdn2_decode", f"f32[3,1,{value_heads},128]"),
+                             ("gdn2_fwd_pooled", f"f32[1,{t},{heads},128]")):  # fmt: skip
+            kernels = [
+                line for line in text.splitlines() if f"%{name}" in line and "custom-call(" in line
+            ]
+            assert kernels and all(
+                g_type in line.split("operand_layout_constraints={")[1] for line in kernels
+            ), (name, kernels)
     assert "input_output_alias={ {1}: (6," in text
     short = "f32" if pool_dtype == jnp.float32 else "bf16"
     pool_shape = f"{short}[{P},{value_heads},128,128]"  # no copy: the kernels write in place

@@ -66,9 +66,10 @@ class Capabilities(BaseModel):
             and return dq, dk in that shape; the spec it gets says so with ``key_groups = G``
             (head ``j`` of the plain call reads key head ``j // G``). Not with ``cu_seqlens``
             nor on a mesh (the core repeats them there).
-        float32_decay: its array methods take ``g`` in float32 beside bfloat16 inputs
-            (``spec.float32_decay``; fla's layers compute the log decay in float32) and return
-            its gradient in float32; otherwise the core casts ``g`` to the inputs' dtype first.
+        float32_decay: its array methods (the forwards, ``decode``, ``forward_pooled``) take
+            ``g`` in float32 beside bfloat16 inputs (``spec.float32_decay``; fla's layers
+            compute the log decay in float32) and return its gradient in float32; otherwise the
+            core casts ``g`` to the inputs' dtype first.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)

@@ -83,6 +83,24 @@ def check_decay_dtype(g: Any, dtype: str) -> bool:
     raise TypeError(f"g: expected dtype {wanted}, got {g_dtype}")
 
 
+def check_token_dtypes(arrays: dict[str, Any]) -> tuple[str, bool]:
+    """The dtypes of an op's token inputs: one common floating dtype for every array but ``g``,
+    which may instead be a float32 log decay beside bfloat16 inputs (:func:`check_decay_dtype`).
+
+    Args:
+        arrays: ``{"q": q, "k": k, ..., "g": g}`` (anything with a ``dtype``).
+
+    Returns:
+        ``(dtype, float32_decay)``: the common dtype's name and whether ``g`` is float32 beside
+        bfloat16 inputs.
+
+    Raises:
+        TypeError: as :func:`check_common_dtype` and :func:`check_decay_dtype`.
+    """
+    dtype = check_common_dtype({n: x for n, x in arrays.items() if n != "g"})
+    return dtype, check_decay_dtype(arrays["g"], dtype)
+
+
 def check_scale(scale: Any, dk: int) -> float:
     """The query scale of a call: ``scale`` as a float, or ``dk ** -0.5`` for None.
 

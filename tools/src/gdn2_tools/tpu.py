@@ -200,6 +200,7 @@ def compile_decode(
     pool_size: int | None = None,
     token_states: bool = False,
     config: KernelConfig | None = None,
+    decay_dtype: str | None = None,
 ):
     """Compile one decode step (``gdn2_decode`` with ``state_indices``, the pool donated, as a
     server runs it) for a TPU topology.
@@ -213,6 +214,7 @@ def compile_decode(
         pool_size: P (None: N).
         token_states: also return the per-token states.
         config: the kernel config (None: the default).
+        decay_dtype: g's dtype (None: ``dtype``; float32 beside bfloat16: a float32 log decay).
 
     Returns:
         The compiled executable.
@@ -226,6 +228,7 @@ def compile_decode(
     val = jax.ShapeDtypeStruct((N, S, HV, dv), dt, sharding=rep)
     pool = jax.ShapeDtypeStruct((pool_size or N, HV, dk, dv), jnp.dtype(pool_dtype), sharding=rep)
     idx = jax.ShapeDtypeStruct((N,), jnp.int32, sharding=rep)
+    decay = jax.ShapeDtypeStruct(key.shape, jnp.dtype(decay_dtype or dtype), sharding=rep)
 
     def step(q, k, v, w, b, g, state, state_indices):
         return gdn2_decode(
@@ -233,4 +236,4 @@ def compile_decode(
             return_token_states=token_states, config=config, backend=backend,
         )  # fmt: skip
 
-    return compile_for_tpu(step, key, key, val, val, key, key, pool, idx, donate_argnums=(6,))
+    return compile_for_tpu(step, key, key, val, val, key, decay, pool, idx, donate_argnums=(6,))

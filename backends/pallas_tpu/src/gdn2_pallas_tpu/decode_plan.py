@@ -20,7 +20,8 @@ loop is unrolled).
 VMEM per step: the pool block read (double-buffered by the pipeline) and the new state being
 written back (two buffers, by sequence parity), ``4 hb K V`` in the pool's dtype; a
 float32 working copy when the pool is bfloat16 and S > 1 (the state stays float32 across the
-tokens of a call); double-buffered token blocks ``2 S hb (4 K + 3 V)``; the token states
+tokens of a call); double-buffered token blocks ``2 S hb (4 K + 3 V)`` (``g`` float32 beside bfloat16 inputs:
+``2 K`` more bytes); the token states
 ``2 S hb K V``; live float32 temporaries of one head (a few ``[K, V]``) and the transposed rows
 ``4 hb K``. At 16 heads of 128 x 128, float32, S = 1: about 4.4 MiB.
 """
@@ -73,6 +74,7 @@ class DecodePlan:
     hb: int  # heads per step
     vmem_limit_bytes: int
     interpret: InterpretMode | None  # None: compiled; else how interpret mode runs (config.py)
+    float32_decay: bool = False  # g float32 beside bfloat16 inputs (DecodeSpec.float32_decay)
 
     @property
     def head_blocks(self) -> int:
@@ -94,6 +96,13 @@ class DecodePlan:
     @property
     def itemsize(self) -> int:
         return jnp.dtype(self.dtype).itemsize
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one head's inputs of one token: q, k, b, g (``K`` each) and v, w, o (``V``
+        each); ``g`` float32 with ``float32_decay``."""
+        g_extra = (4 - self.itemsize) * self.dk if self.float32_decay else 0
+        return (4 * self.dk + 3 * self.dv) * self.itemsize + g_extra
 
     def grid(self) -> tuple[int, int]:
         """(head block, sequence): the sequences sequential (a skipped sequence revisits its
@@ -132,7 +141,7 @@ def vmem_bytes(plan: DecodePlan) -> dict[str, int]:
     K, V, hb, S = plan.dk, plan.dv, plan.hb, plan.tokens
     blocks = 4 * hb * K * V * plan.state_itemsize
     work = hb * K * V * F32_BYTES if plan.staged_f32 else 0
-    tokens = 2 * S * hb * (4 * K + 3 * V) * plan.itemsize
+    tokens = 2 * S * hb * plan.token_bytes
     states = 2 * S * hb * K * V * plan.state_itemsize if plan.token_states else 0
     live = F32_BYTES * (6 * K * V + 8 * hb * max(K, V))
     total = blocks + work + tokens + states + live
@@ -171,6 +180,7 @@ def make_decode_plan(
         hb=head_block(spec),
         vmem_limit_bytes=capacity,
         interpret=config.interpret_mode(),
+        float32_decay=spec.float32_decay,
     )
     limit = vmem_limit(vmem_bytes(plan)["total"], capacity)
     return dataclasses.replace(plan, vmem_limit_bytes=limit)
@@ -208,7 +218,7 @@ def cost_decode(plan: DecodePlan) -> dict[str, int]:
     K, V, S = plan.dk, plan.dv, plan.tokens
     unit_tokens = plan.n_seqs * plan.heads * S
     state = plan.n_seqs * plan.heads * K * V * plan.state_itemsize
-    io = 2 * state + unit_tokens * ((4 * K + 3 * V) * plan.itemsize)
+    io = 2 * state + unit_tokens * plan.token_bytes
     if plan.token_states:
         io += unit_tokens * K * V * plan.state_itemsize
     return {

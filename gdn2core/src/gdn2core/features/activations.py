@@ -182,7 +182,10 @@ def apply_activations(
         A_log, dt_bias: the gate parameters (as :func:`check_gate_params` admits).
 
     Returns:
-        ``(q, k, w, b, g)`` activated, each in its input dtype (computed in the state dtype).
+        ``(q, k, w, b, g)`` activated, computed in the state dtype; q, k, w, b in their input
+        dtype, and an activated g in the state dtype: a float32 decay beside bfloat16 inputs
+        (``checks.is_float32_decay``), as fla's kernels compute the gate and keep it (and as
+        pallas_tpu's fused gate does in VMEM). A g not activated keeps its dtype.
     """
     dtype = q.dtype
     acc = jnp.float64 if dtype == jnp.float64 else jnp.float32
@@ -197,5 +200,5 @@ def apply_activations(
         w = sigmoid(up(w)).astype(dtype)
     if act.gate != GateMode.NONE:
         bias = None if dt_bias is None else up(dt_bias)
-        g = gate(act, up(g), up(A_log), bias).astype(g.dtype)
+        g = gate(act, up(g), up(A_log), bias)  # [..., Hg, dk] acc
     return q, k, w, b, g

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from gdn2core.backend import Backend, Verdict
-from gdn2core.checks import state_dtype
+from gdn2core.checks import is_float32_decay, state_dtype
 from gdn2core.config import KernelConfig
 from gdn2core.features.activations import apply_activations
 from gdn2core.features.gva import group_call, repeat_keys_of, ungroup_outputs, ungroup_state
@@ -142,9 +142,10 @@ def backend_inputs(backend: Backend, spec: OpSpec, args, h0, extras: OpExtras):
     view = caps.view(spec)
     A_log, dt_bias = extras.A_log, extras.dt_bias
     acc = state_dtype(q.dtype)
-    if in_xla:
+    if in_xla:  # an activated g is float32 beside bfloat16 inputs (apply_activations)
         q, k, w, b, g = apply_activations(spec.activations, q, k, w, b, g, A_log, dt_bias)
         A_log = dt_bias = None
+        view = dataclasses.replace(view, float32_decay=is_float32_decay(g.dtype, q.dtype))
     if view.float32_decay and not caps.float32_decay:  # g in the inputs' dtype (differentiable)
         g = g.astype(q.dtype)
         view = dataclasses.replace(view, float32_decay=False)

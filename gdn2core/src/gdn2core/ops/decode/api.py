@@ -21,14 +21,16 @@ inputs.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Unpack
 
 import jax
 from jaxtyping import Array, Float, Int
 
+from gdn2core.checks import is_float32_decay
 from gdn2core.config import DEFAULT_CONFIG, KernelConfig
 from gdn2core.features.activations import apply_activations, check_gate_params
-from gdn2core.ops.decode.spec import DecodeSpec, expand_heads, sanitize_slots
+from gdn2core.ops.decode.spec import DecodeSpec, backend_decay, expand_heads, sanitize_slots
 from gdn2core.options import FeatureArgs, Features
 from gdn2core.platform import call_platform
 from gdn2core.selection import AUTO, resolve_decode_backend
@@ -87,7 +89,9 @@ def gdn2_decode(
         v, w: ``(N, S, HV, dv)``: value and write gate; ``HV`` a multiple of ``H`` (grouped value
             heads: value head ``j`` reads key head ``j // (HV / H)``).
         b, g: ``(N, S, H, dk)`` or ``(N, S, HV, dk)``: erase gate and log decay. The six share one
-            floating dtype (float32, bfloat16 or float64).
+            floating dtype (float32, bfloat16 or float64), but g may be float32 beside bfloat16
+            inputs (fla's layers compute the log decay in float32): kept so by a backend with
+            ``Capabilities.float32_decay``, else rounded to bfloat16 by the core first.
         state: the pool ``(P, HV, dk, dv)``, float32 or bfloat16 (bfloat16 halves the memory a
             serving batch needs; float64 too for float64 inputs). The arithmetic is float32
             (float64 for float64 inputs) from the slot's value to the last token; the result is
@@ -107,10 +111,12 @@ def gdn2_decode(
             named backend never falls back to another one.
         **features: the fused activations, as for :func:`gdn2_forward`
             (``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel``, ``A_log``, ``dt_bias``,
-            ``lower_bound``, ``use_bw_sigmoid_in_kernel``, ``allow_neg_eigval``; ``A_log (Hg,)``, ``dt_bias (Hg, dk)``, ``Hg`` the heads of b
-            and g). The core applies them in XLA before the backend's decode, in the state dtype,
-            rounded to the input dtype (as the chunked op does for backends that do not fuse
-            them), so a model calls the chunked op and the decode op with the same raw inputs.
+            ``lower_bound``, ``use_bw_sigmoid_in_kernel``, ``allow_neg_eigval``;
+            ``A_log (Hg,)``, ``dt_bias (Hg, dk)``, ``Hg`` the heads of b and g). The core
+            applies them in XLA before the backend's decode, in the state dtype, q, k, w, b
+            rounded to the input dtype and the activated g kept in the state dtype (as the
+            chunked op does for backends that do not fuse them, and as a fused gate keeps it),
+            so a model calls the chunked op and the decode op with the same raw inputs.
 
     Returns:
         ``(o, new_state)``, or ``(o, new_state, token_states)`` with ``return_token_states``:
@@ -143,10 +149,12 @@ def gdn2_decode(
         q, k, v, w, b, g, state, state_indices, scale, return_token_states, config, backend,
         parsed,
     )  # fmt: skip
-    if activations.any:
+    if activations.any:  # an activated g is float32 beside bfloat16 inputs (apply_activations)
         extras = parsed.extras
         q, k, w, b, g = apply_activations(activations, q, k, w, b, g, extras.A_log, extras.dt_bias)
+        resolved = dataclasses.replace(resolved, float32_decay=is_float32_decay(g.dtype, q.dtype))
     slots = sanitize_slots(state_indices, spec.n_seqs, spec.pool_size)
+    resolved, g = backend_decay(resolved, g, chosen.capabilities.float32_decay)
     xs = [expand_heads(x, spec.heads) for x in (q, k)]
     gates = [expand_heads(x, spec.heads) for x in (b, g)]
     o, new_state, token_states = chosen.decode(

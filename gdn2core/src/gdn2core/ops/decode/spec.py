@@ -2,9 +2,11 @@
 
 The contract is the decode section of ``docs/operator.md``: ``N`` sequences of ``S`` new tokens
 each; q, k ``(N, S, H, dk)``; v, w ``(N, S, HV, dv)`` with ``HV`` a multiple of ``H`` (grouped
-value heads: value head ``j`` reads key head ``j // (HV / H)``); b, g ``(N, S, H or HV, dk)``; the
-state pool ``(P, HV, dk, dv)`` in float32 or bfloat16 (float64 too for float64 inputs); optional
-``state_indices (N,)``, integers (an array, or a list) naming each sequence's slot of the pool.
+value heads: value head ``j`` reads key head ``j // (HV / H)``); b, g ``(N, S, H or HV, dk)``, one
+dtype for all six but a float32 ``g`` beside bfloat16 inputs (kept so for a backend that takes
+it, :func:`backend_decay`); the state pool ``(P, HV, dk, dv)`` in float32 or bfloat16 (float64
+too for float64 inputs); optional ``state_indices (N,)``, integers (an array, or a list) naming
+each sequence's slot of the pool.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdn2core.checks import check_common_dtype, check_scale
+from gdn2core.checks import check_scale, check_token_dtypes
 from gdn2core.options import as_index_array
 
 #: Pool dtypes for float32 and bfloat16 inputs; float64 inputs may also keep a float64 pool.
@@ -47,12 +49,13 @@ class DecodeSpec:
     gate_heads: int  # heads of b and g (H or HV)
     dk: int
     dv: int
-    dtype: str  # common dtype of q, k, v, w, b, g
+    dtype: str  # common dtype of q, k, v, w, b (and of g, but for a float32 decay)
     scale: float
     pool_size: int  # P
     state_dtype: str  # dtype of the pool (and of the returned token states)
     token_states: bool  # return the state after each token
     indexed: bool  # state_indices given (else sequence n uses slot n, P == N)
+    float32_decay: bool = False  # g float32 beside bfloat16 inputs (checks.check_decay_dtype)
 
     @property
     def group(self) -> int:
@@ -145,7 +148,7 @@ class DecodeSpec:
             )
         _expect("b", b.shape, (n, s, gate_heads, dk))
         _expect("g", g.shape, (n, s, gate_heads, dk))
-        dtype = check_common_dtype(arrays)
+        dtype, float32_decay = check_token_dtypes(arrays)
 
         if not hasattr(state, "shape") or not hasattr(state, "dtype"):
             raise TypeError(
@@ -189,6 +192,7 @@ class DecodeSpec:
             state_dtype=state_dtype,
             token_states=return_token_states,
             indexed=state_indices is not None,
+            float32_decay=float32_decay,
         )
 
 
@@ -291,3 +295,23 @@ def expand_heads(x: jax.Array, heads: int) -> jax.Array:
     """
     group = heads // x.shape[2]
     return x if group == 1 else jnp.repeat(x, group, axis=2)
+
+
+def backend_decay(
+    spec: DecodeSpec, g: jax.Array, takes_float32: bool
+) -> tuple[DecodeSpec, jax.Array]:
+    """The spec and ``g`` a backend's decode receives: a float32 ``g`` beside bfloat16 inputs as
+    it is when the backend takes it (``Capabilities.float32_decay``), else cast to the inputs'
+    dtype (the backend then sees a call of one dtype).
+
+    Args:
+        spec: the resolved spec.
+        g: the log decay as the backend would receive it.
+        takes_float32: the backend's ``capabilities.float32_decay``.
+
+    Returns:
+        ``(spec, g)``.
+    """
+    if spec.float32_decay and not takes_float32:
+        return dataclasses.replace(spec, float32_decay=False), g.astype(spec.dtype)
+    return spec, g

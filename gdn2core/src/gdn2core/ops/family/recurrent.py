@@ -93,7 +93,6 @@ def _run(op: str, call: FamilyCall, state_indices) -> tuple[jax.Array, jax.Array
         pool = call.h0.astype(jnp.float32)
     else:
         pool = call.h0
-    g = g.astype(q.dtype)  # the decode op takes one dtype (a float32 g is rounded there)
     full = [_full(w, dv), _full(b, dk), g if g.ndim == 4 else _full(g, dk)]  # [B, T, ., d]
     keywords = dict(call.keywords)  # the decode op takes dt_bias per channel
     if keywords.get("dt_bias") is not None:

@@ -16,7 +16,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from gdn2core.checks import check_common_dtype, check_decay_dtype, check_scale, expect_shape
+from gdn2core.checks import check_scale, check_token_dtypes, expect_shape
 from gdn2core.features.activations import check_gate_params
 from gdn2core.features.segments import check_segments
 from gdn2core.options import NO_ACTIVATIONS, Activations, GateMode, SegmentMode
@@ -200,8 +200,7 @@ class OpSpec:
                 f"g: expected the heads of b ({gheads}), got shape {tuple(int(s) for s in g.shape)}"
             )
 
-        dtype = check_common_dtype({n: x for n, x in arrays.items() if n != "g"})
-        float32_decay = check_decay_dtype(g, dtype)
+        dtype, float32_decay = check_token_dtypes(arrays)
 
         segments, n_seqs = check_segments(segment_ids, cu_seqlens, bsz, seq)
         if h0 is not None:

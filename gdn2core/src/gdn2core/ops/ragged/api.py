@@ -66,8 +66,9 @@ def gdn2_ragged(
 
     Args:
         q, k: ``(T, H, dk)``; v, w: ``(T, HV, dv)``; b, g: ``(T, H or HV, dk)``: the flat tokens
-            of every request, one floating dtype; ``HV`` a multiple of ``H`` (grouped value
-            heads). Tokens past ``cu_seqlens[N]`` are padding: their outputs are zero.
+            of every request, one floating dtype (but g may be float32 beside bfloat16 inputs,
+            as in :func:`gdn2_forward`); ``HV`` a multiple of ``H`` (grouped value heads). Tokens
+            past ``cu_seqlens[N]`` are padding: their outputs are zero.
         pool: ``(P, HV, dk, dv)`` float32 or bfloat16 (float64 too for float64 inputs). Slots the
             call does not name keep their value bit for bit.
         cu_seqlens: ``(N + 1,)`` integers: 0, non-decreasing, at most T.

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from gdn2core.checks import state_dtype
 from gdn2core.features.activations import apply_activations
-from gdn2core.ops.decode.spec import DecodeSpec, expand_heads
+from gdn2core.ops.decode.spec import DecodeSpec, backend_decay, expand_heads
 from gdn2core.ops.forward.api import forward_continued, gdn2_forward, which_backend
 from gdn2core.ops.ragged import pieces as pc
 from gdn2core.ops.ragged.spec import RaggedSlots, RaggedSpec
@@ -124,6 +124,7 @@ def run_decodes(call: Call, x, pool: jax.Array) -> tuple[jax.Array, jax.Array, j
         q, k, v, w, b, g, pool, jax.ShapeDtypeStruct((d,), jnp.int32), spec.scale, token_cuts
     ).resolved()  # the indices are the call's, checked already
     chosen = resolve_decode_backend(dspec, call.config, call.backend, platform=call_platform(x[0]))
+    dspec, g = backend_decay(dspec, g, chosen.capabilities.float32_decay)
     heads = spec.heads
     od, pool, token_states = chosen.decode(
         expand_heads(q, heads), expand_heads(k, heads), v, w, expand_heads(b, heads),

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdn2core.checks import check_common_dtype, check_scale, expect_shape
+from gdn2core.checks import check_scale, check_token_dtypes, expect_shape
 from gdn2core.ops.decode.spec import POOL_DTYPES, sanitize_slots
 from gdn2core.options import as_index_array
 
@@ -44,7 +44,7 @@ class RaggedSpec:
     gate_heads: int  # heads of b and g (H or HV)
     dk: int
     dv: int
-    dtype: str  # common dtype of q, k, v, w, b, g
+    dtype: str  # common dtype of q, k, v, w, b (and of g, but for a float32 decay)
     scale: float
     pool_size: int  # P
     state_dtype: str  # the pool's dtype
@@ -53,6 +53,7 @@ class RaggedSpec:
     draft_cols: int  # S, columns of draft_slots (0: none)
     num_decodes: int = 0  # D: the first D requests are decodes, on the decode op
     decode_len: int = 1  # the most tokens of a decode request
+    float32_decay: bool = False  # g float32 beside bfloat16 inputs (checks.check_decay_dtype)
 
     @property
     def checkpoint_bound(self) -> int:
@@ -132,7 +133,7 @@ class RaggedSpec:
             )
         expect_shape("b", b.shape, (t, gate_heads, dk), _AXES["b"])
         expect_shape("g", g.shape, (t, gate_heads, dk), _AXES["g"])
-        dtype = check_common_dtype(arrays)
+        dtype, float32_decay = check_token_dtypes(arrays)
 
         if not hasattr(pool, "shape") or not hasattr(pool, "dtype"):
             raise TypeError(f"pool: expected an array (the state pool), got {type(pool).__name__}")
@@ -199,6 +200,7 @@ class RaggedSpec:
             draft_cols=drafts,
             num_decodes=int(num_decodes),
             decode_len=int(decode_len),
+            float32_decay=float32_decay,
         )
         check_metadata(spec, cu_seqlens, state_indices, context_lens, checkpoint_slots, draft_slots)
         return spec
