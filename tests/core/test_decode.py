@@ -23,7 +23,7 @@ from gdn2core import (
     gdn2_forward,
     which_decode_backend,
 )
-from gdn2core.ops.decode.spec import expand_heads, sanitize_slots
+from gdn2core.ops.decode.spec import PAIRWISE_MAX, expand_heads, sanitize_slots
 
 CASE = DecodeCase(N=3, S=2, H=2, HV=4, dk=8, dv=12, P=5, seed=3)
 
@@ -126,6 +126,27 @@ def test_sanitize_slots_skips_out_of_range_and_repeated():
     got = sanitize_slots(jnp.asarray([3, 9, 1, 1, -2, 0]), 6, 5).tolist()
     assert got == [3, -1, -1, -1, -1, 0]
     assert sanitize_slots(None, 3, 3).tolist() == [0, 1, 2]
+
+
+def _slots_rule(idx: np.ndarray, pool_size: int) -> list[int]:
+    """The rule in NumPy: a slot in range that no other sequence names, else -1."""
+    counts = {int(v): int(c) for v, c in zip(*np.unique(idx, return_counts=True), strict=True)}
+    return [int(v) if 0 <= v < pool_size and counts[int(v)] == 1 else -1 for v in idx]
+
+
+@pytest.mark.parametrize("n", [2, 7, 64, PAIRWISE_MAX, PAIRWISE_MAX + 1, 1500])
+def test_sanitize_slots_follows_the_rule_on_both_paths(n):
+    """Up to PAIRWISE_MAX sequences the rule compares every pair, above it sorts: both against
+    the rule written in NumPy, on indices with repeats, negatives and values past the pool."""
+    rng = np.random.default_rng(n)
+    pool_size = max(2, n // 2)
+    idx = rng.integers(-3, pool_size + 3, size=n)
+    idx[0] = pool_size  # out of range
+    free = sorted(set(range(pool_size)) - set(idx[2:].tolist()))
+    idx[-1] = free[0] if free else idx[-1]  # a slot no other sequence names, when there is one
+    got = sanitize_slots(jnp.asarray(idx, jnp.int32), n, pool_size).tolist()
+    assert got == _slots_rule(idx, pool_size)
+    assert -1 in got and any(v >= 0 for v in got)  # the case has both kinds
 
 
 GVA_CASES = [

@@ -42,7 +42,7 @@ from gdn2core.features.scalar_gates import broadcast_gates
 from gdn2core.features.segments import segment_starts, varlen_layout
 from gdn2core.hooks import BACKENDS_GROUP, TOOLS_GROUP, Command, KernelCost, hookimpl
 from gdn2core.ops.decode.reference import gdn2_decode_reference
-from gdn2core.ops.decode.spec import DecodeSpec, sanitize_slots
+from gdn2core.ops.decode.spec import PAIRWISE_MAX, DecodeSpec, sanitize_slots
 from gdn2core.ops.forward.reference import gdn2_token_serial_reference
 from gdn2core.ops.forward.spec import OpSpec
 from gdn2core.options import L2NORM_EPS, Activations, GateMode, OpExtras, SegmentMode
@@ -53,6 +53,7 @@ __all__ = [
     "FROM_NAN",
     "FROM_ZEROS",
     "L2NORM_EPS",
+    "PAIRWISE_MAX",
     "TOOLS_GROUP",
     "YES",
     "Activations",

@@ -21,6 +21,10 @@ import numpy as np
 from gdn2core.checks import check_scale, check_token_dtypes
 from gdn2core.options import as_index_array
 
+#: Sequences up to which :func:`sanitize_slots` finds repeated slots by comparing every pair (one
+#: fused comparison of N^2 elements) instead of sorting (a sort, a gather and a scatter).
+PAIRWISE_MAX: Final = 512
+
 #: Pool dtypes for float32 and bfloat16 inputs; float64 inputs may also keep a float64 pool.
 POOL_DTYPES: Final[tuple[str, ...]] = ("float32", "bfloat16")
 
@@ -272,7 +276,11 @@ def sanitize_slots(state_indices: Any, n_seqs: int, pool_size: int) -> jax.Array
     idx = jnp.asarray(state_indices)
     valid = (idx >= 0) & (idx < pool_size)
     idx = jnp.where(valid, idx, -1).astype(jnp.int32)
-    if n_seqs > 1:
+    if 1 < n_seqs <= PAIRWISE_MAX:  # one fused comparison of every pair
+        others = ~jnp.eye(n_seqs, dtype=bool)  # [N, N]
+        repeated = jnp.any((idx[:, None] == idx[None, :]) & others, axis=1) & (idx >= 0)
+        idx = jnp.where(repeated, -1, idx)
+    elif n_seqs > 1:
         order = jnp.argsort(idx)
         ranked = idx[order]  # [N] sorted
         same = ranked[1:] == ranked[:-1]  # [N - 1] equal to the next one
