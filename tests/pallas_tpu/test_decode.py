@@ -133,6 +133,7 @@ def test_interpret_skipped_sequences_before_the_first_valid_one():
         ("v5e:1x1", "bfloat16", "bfloat16", True),
         ("v6e:1x1", "float32", "float32", False),
         ("v6e:1x1", "bfloat16", "float32", False),
+        ("v6e:1x1", "bfloat16", "bfloat16", True),  # the one-pass read of a bf16 block (S > 1)
     ],
 )
 def test_decode_compiles_in_place(topology, dtype, pool, states):

@@ -66,7 +66,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gdn2_pallas_tpu.chunk_math import iota
-from gdn2_pallas_tpu.matmul import MatmulPrecision, mm_tn, split_bf16_exact
+from gdn2_pallas_tpu.matmul import MatmulPrecision, mm_nt, mm_tn, split_bf16_exact
 from gdn2_pallas_tpu.plan import Layout, Plan
 
 F32 = jnp.float32
@@ -458,6 +458,18 @@ def load_scalar(ref, plan: Plan, d: int, dtype) -> jax.Array:
     cols = mm_tn(rows, sel, MatmulPrecision.BF16)[0]  # [nc C, hb d]
     units = jnp.stack([cols[:, j * d : (j + 1) * d] for j in range(hb)])  # [hb, nc C, d]
     return units.reshape(plan.units, plan.C, d)
+
+
+def row_sums(x: jax.Array) -> jax.Array:
+    """``[U, 1, K]`` float32: the sums of the rows of ``x`` [U, K, V] float32 (over V), at float32
+    precision in one bfloat16 MXU pass: ``x`` enters as its three exact bfloat16 parts
+    (matmul.split_bf16_exact) stacked on the rows, against a row of ones, and the three partial
+    sums are added back (each product of a part and 1 is exact in the float32 accumulator)."""
+    U, K, V = x.shape
+    parts = jnp.concatenate([p.astype(F32) for p in split_bf16_exact(x)], axis=1)  # [U, 3K, V]
+    ones = jnp.ones((U, 1, V), F32)
+    sums = mm_nt(ones, parts, MatmulPrecision.BF16)  # [U, 1, 3K]
+    return sums[:, :, :K] + sums[:, :, K : 2 * K] + sums[:, :, 2 * K :]
 
 
 def load_gate(refs: Sequence, io: TokenIO, d: int, name: str) -> jax.Array:

@@ -28,7 +28,7 @@ from gdn2_pallas_tpu import activations as act
 from gdn2_pallas_tpu import blocks, refs, state_writes, varlen
 from gdn2_pallas_tpu import chunk_math as cm
 from gdn2_pallas_tpu.cost import cost_backward
-from gdn2_pallas_tpu.matmul import MatmulPrecision, mm, mm_nt, mm_tn
+from gdn2_pallas_tpu.matmul import mm, mm_nt, mm_tn
 from gdn2_pallas_tpu.plan import Plan
 
 F32 = jnp.float32
@@ -167,8 +167,7 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
     dQ_tilde = scale * mm_nt(dO, S, p.grads)  # [U, C, K] B2
     dY = -mm_nt(dR, S, p.grads)  # [U, C, K]
     dK_tilde = mm_nt(R, dS, p.grads)  # [U, C, K] B3
-    ones = jnp.ones((plan.units, 1, V), F32)
-    d_decay_C = mm_nt(ones, S * dS, MatmulPrecision.F32)  # [U, 1, K] row sums of S ⊙ dS
+    d_decay_C = blocks.row_sums(S * dS)  # [U, 1, K] row sums of S ⊙ dS
     dEZ = mm(T_t, jnp.concatenate([dY, dR], axis=2), p.grads)  # [U, C, K + V] B4: T^T [dY | dU]
     dE_bar, dZ = dEZ[:, :, :K], dEZ[:, :, K:]
     P_kk = -jnp.where(ss < rr, mm_nt(dEZ, YU, p.grads), cm.ZERO)  # [U, C, C] B5

@@ -36,7 +36,9 @@ Per token, with the decay folded into the read vectors (``d = exp(g)``; the form
 The two reads are a ``[8, K] x [K, V]`` product at full float32 precision (``MatmulPrecision.F32``:
 the product would otherwise cost a column broadcast of ``d b k`` and of ``d q`` per state row
 block, the most expensive part of the step: 1.25x -> 0.9x the HBM bound at N = 8 on v5e by the
-static cycle estimate). The update scales the rows of ``S`` (keys on sublanes, values on lanes) by
+static cycle estimate); on a bfloat16 pool's block, whose values are bfloat16, the same float32
+result comes from one bfloat16 pass on the read vectors' exact parts (:func:`_read_bf16`). The
+update scales the rows of ``S`` (keys on sublanes, values on lanes) by
 ``d`` and adds ``k u^T``, so ``d`` and ``k`` are needed as columns: the step's ``[hb, K]`` rows are
 transposed once per token (``[K, hb]``), and head ``h`` takes lane ``h``. All of it in float32.
 
