@@ -24,6 +24,7 @@ from gdn2core import (
     which_decode_backend,
 )
 from gdn2core.ops.decode.spec import PAIRWISE_MAX, expand_heads, sanitize_slots
+from tests.support.slots import random_slot_indices
 
 CASE = DecodeCase(N=3, S=2, H=2, HV=4, dk=8, dv=12, P=5, seed=3)
 
@@ -138,12 +139,7 @@ def _slots_rule(idx: np.ndarray, pool_size: int) -> list[int]:
 def test_sanitize_slots_follows_the_rule_on_both_paths(n):
     """Up to PAIRWISE_MAX sequences the rule compares every pair, above it sorts: both against
     the rule written in NumPy, on indices with repeats, negatives and values past the pool."""
-    rng = np.random.default_rng(n)
-    pool_size = max(2, n // 2)
-    idx = rng.integers(-3, pool_size + 3, size=n)
-    idx[0] = pool_size  # out of range
-    free = sorted(set(range(pool_size)) - set(idx[2:].tolist()))
-    idx[-1] = free[0] if free else idx[-1]  # a slot no other sequence names, when there is one
+    idx, pool_size = random_slot_indices(n)
     got = sanitize_slots(jnp.asarray(idx, jnp.int32), n, pool_size).tolist()
     assert got == _slots_rule(idx, pool_size)
     assert -1 in got and any(v >= 0 for v in got)  # the case has both kinds

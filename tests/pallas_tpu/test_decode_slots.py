@@ -26,10 +26,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 from gdn2_conformance import DecodeCase, assert_close, decode_reference_outputs, make_decode_inputs
 from gdn2_pallas_tpu import decode_plan, kernels_decode
-from gdn2_pallas_tpu.decode_op import step_slots, step_sources
+from gdn2_pallas_tpu.decode_op import step_sources
 from gdn2_pallas_tpu.decode_plan import make_decode_plan
 from gdn2core import DecodeSpec, KernelConfig, get_backend
 from gdn2core.plugin import PAIRWISE_MAX, sanitize_slots
+from tests.support.slots import random_slot_indices
 
 INTERPRET = KernelConfig(bt=16, interpret=True)
 BACKEND = get_backend("pallas_tpu")
@@ -216,22 +217,14 @@ def _sources_rule(slots: list[int]) -> list[int]:
 
 
 @pytest.mark.parametrize("n", [1, 2, 9, 64, PAIRWISE_MAX, PAIRWISE_MAX + 1])
-def test_step_slots_follow_the_rules_on_both_paths(n):
-    """``step_slots``: the core's slot rule and the sources (pairwise up to PAIRWISE_MAX, the
-    sort and cumulative max above), against both rules in plain Python, on indices with
-    repeats, negatives and values past the pool, and on a call with no valid slot."""
-    rng = np.random.default_rng(n)
-    pool_size = max(2, n // 2)
-    idx = rng.integers(-3, pool_size + 3, size=n)
-    idx[0] = pool_size  # out of range
-    free = sorted(set(range(pool_size)) - set(idx[2:].tolist()))
-    idx[-1] = free[0] if free else idx[-1]  # a slot no other sequence names, when there is one
-    slots, sources = step_slots(jnp.asarray(idx, jnp.int32), pool_size)
-    want = [int(v) for v in sanitize_slots(jnp.asarray(idx), n, pool_size)]
-    assert slots.tolist() == want
-    assert sources.tolist() == _sources_rule(want)
-    none = step_slots(jnp.full((n,), -1, jnp.int32), pool_size)
-    assert none[0].tolist() == [-1] * n and none[1].tolist() == [0] * n
+def test_step_sources_follow_the_rule_on_both_paths(n):
+    """The step sources (pairwise up to PAIRWISE_MAX, the cumulative max above) against the rule
+    in plain Python, on the slots the core's rule leaves of indices with repeats, negatives and
+    values past the pool (tests/core/test_decode.py checks that rule), and with no valid slot."""
+    idx, pool_size = random_slot_indices(n)
+    slots = sanitize_slots(jnp.asarray(idx, jnp.int32), n, pool_size)  # the rule: core tests
+    assert step_sources(slots).tolist() == _sources_rule(slots.tolist())
+    assert step_sources(jnp.full((n,), -1, jnp.int32)).tolist() == [0] * n
 
 
 def test_backend_decode_refuses_slots_of_the_wrong_shape_or_type():

@@ -20,10 +20,9 @@ loop is unrolled).
 VMEM per step: the pool block read (double-buffered by the pipeline) and the new state being
 written back (two buffers, by sequence parity), ``4 hb K V`` in the pool's dtype; a
 float32 working copy when the pool is bfloat16 and S > 1 (the state stays float32 across the
-tokens of a call); double-buffered token blocks ``2 S hb (4 K + 3 V)`` (``g`` float32 beside bfloat16 inputs:
-``2 K`` more bytes); the token states
-``2 S hb K V``; live float32 temporaries of one head (a few ``[K, V]``) and the transposed rows
-``4 hb K``. At 16 heads of 128 x 128, float32, S = 1: about 4.4 MiB.
+tokens of a call); double-buffered token blocks ``2 S hb (4 K + 3 V)`` (a float32 ``g`` beside
+bfloat16 inputs: ``2 K`` more bytes); the token states ``2 S hb K V``; live float32 temporaries of
+one head (a few ``[K, V]``) and the transposed rows ``4 hb K``. At 16 heads of 128 x 128, float32, S = 1: about 4.4 MiB.
 """
 
 from __future__ import annotations
