@@ -141,3 +141,41 @@ def test_pooled_forward_writes_o_at_the_flat_tokens():
     np.testing.assert_array_equal(np.asarray(o[24:31]), 0.0)  # the padded request: zero, not NaN
     np.testing.assert_array_equal(np.asarray(o[pad_from:]), 0.0)  # the padding
     assert rel_err(new, new_ref) < TOL
+
+
+#: bt = 16. "long" (T = 320: 5 chunks a grid step): two decodes, a resumed request of 35 tokens,
+#: a new one of 264 (chunks 3 to 19 of the row: steps 1 and 2 whole, the others chunk by chunk),
+#: the engine's NaN padding from token 301. "zeros" (T = 256: 8 chunks a step): 16 decodes and a
+#: request of 128 tokens (step 0, whole), then
+#: a step of zeros only: the chunk of the decodes' tokens 0-15 and seven of the padding's from
+#: token 144, each all its rows but not consecutive (not whole: written as one window, its zeros
+#: would land on the request's tokens 16-127).
+WHOLE_STEPS = {
+    "long": (320, 2, dict(cu_seqlens=[0, 1, 2, 37, 301], state_indices=[4, 1, 7, 2],
+                          has_initial_state=[True, True, True, False])),
+    "zeros": (256, 16, dict(cu_seqlens=[*range(17), 144], state_indices=[*range(16), 16],
+                            has_initial_state=[True] * 16 + [False])),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(WHOLE_STEPS))
+def test_pooled_forward_writes_whole_steps_at_once(case):
+    """Grid steps whose chunks write all their rows to consecutive tokens write o in one DMA per
+    value-head window (``FlatOutput._whole``), the others chunk by chunk (:data:`WHOLE_STEPS`).
+    A whole-step DMA one token off, or a step taken as whole whose chunks are not consecutive,
+    fails by errors of order 1, and a whole step's DMAs never waited by NaN (the interpreter
+    leaves their rows unwritten)."""
+    t, decodes, kw = WHOLE_STEPS[case]
+    pad_from = kw["cu_seqlens"][-1]
+    x, pool = ragged_tokens(t, 11, H, HV, DK, DV, 20, pad_from)
+
+    def step(pool, *x):
+        return gdn2_ragged(
+            *x, pool, num_decodes=decodes, backend="pallas_tpu", config=INTERPRET, **kw
+        )
+
+    o_ref, new_ref = gdn2_ragged_reference(*x, pool, **kw)
+    o, new = step(pool, *x)
+    assert rel_err(o[:pad_from], o_ref[:pad_from]) < TOL
+    np.testing.assert_array_equal(np.asarray(o[pad_from:]), 0.0)
+    assert rel_err(new, new_ref) < TOL

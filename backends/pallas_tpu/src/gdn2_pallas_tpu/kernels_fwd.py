@@ -33,7 +33,9 @@ class ForwardRefs:
     """The kernel's refs by name, as :func:`forward_call`'s table (refs.py) lists them."""
 
     table: object | None  # SMEM [3, n_chunks] int32 chunk table (plan.varlen, varlen.py), or
-    #   [7, n_chunks] (plan.pooled, pooled.py); scalar-prefetched: the index maps may read it
+    #   [8, n_chunks] (plan.pooled, pooled.py); scalar-prefetched: the index maps may read it
+    steps: object | None  # SMEM [2, n_steps] int32: each step's input window and whole output
+    #   (plan.flat_tokens, flat_tokens.step_table); scalar-prefetched
     q: tuple  # the step's tiles (blocks.TokenIO): hb x [nc C, K], or one [nc C, hb, K] (of key
     #   heads with plan.key_groups), or nc x [C, hb, K] (plan.flat_tokens, flat_tokens.py)
     k: tuple
@@ -94,7 +96,7 @@ def _forward_kernel(r: ForwardRefs, *, plan: Plan, save: bool):
         return
     # Two copies of the step: one rolls the chunks' rows (a window clamped near an end of the
     # flat tokens, flat_tokens.py), the other, nearly every step, has no roll at all.
-    flat = flat_tokens.FlatTokens(plan, r.table, step)
+    flat = flat_tokens.FlatTokens(plan, r.table, r.steps, step)
     needs = flat.needs_roll()
 
     @pl.when(needs)
@@ -180,7 +182,9 @@ def _step(r: ForwardRefs, plan: Plan, save: bool, flat: flat_tokens.FlatTokens |
             seqs.write(j, seqs.is_last(j), S_next)
     o = blocks.stack_chunks(outs, plan)  # [U, C, V]
     if flat is not None:  # each chunk's own rows, at the flat tokens
-        out = flat_tokens.FlatOutput(plan, r.table, r.o, r.o_flat, r.o_flat_sem, head_group, step)
+        out = flat_tokens.FlatOutput(
+            plan, r.table, r.steps, r.o, r.o_flat, r.o_flat_sem, head_group, step
+        )
         out.store(o)
     else:
         sems = None if r.o_sems is None else r.o_sems.at[jnp.int32(0)]
@@ -229,6 +233,7 @@ def forward_call(
     chunk_states_shape = (B, plan.t_pad // plan.C, H * Gv, K, V // Gv)
     kernel_refs = refs.Table(
         refs.Prefetch("table", table if plan.varlen else None),  # SMEM, seen by the index maps
+        refs.Prefetch("steps", flat_tokens.step_table(table, plan) if plan.flat_tokens else None),
         refs.Input("q", qk, q),
         refs.Input("k", qk, k),
         refs.Input("v", vals, v),

@@ -479,7 +479,7 @@ def pooled_plan(spec: OpSpec, config: KernelConfig, vmem_capacity: int, activati
                 pool_groups: int) -> Plan:  # fmt: skip
     """The plan of a pooled call: the chunk-aligned row of ``spec.n_seqs`` requests (pooled.py),
     one batch row; ``stores``: with checkpoints (a filler before each request). Token-major
-    calls read the flat tokens (``token_rows``: ``T``, at least one chunk; flat_tokens.py)."""
+    calls read the flat tokens (``token_rows``: ``T``, at least one grid step; flat_tokens.py)."""
     from gdn2_pallas_tpu import varlen
 
     plan = make_plan(spec, config, vmem_capacity, activations=activations, n_seqs=spec.n_seqs)
@@ -489,5 +489,5 @@ def pooled_plan(spec: OpSpec, config: KernelConfig, vmem_capacity: int, activati
     t_pad = varlen.padded_length(spec.seq_len, wasted, plan.C, plan.step_len)
     return dataclasses.replace(
         plan, batch=1, seq_len=t_pad, n_seqs=spec.n_seqs, pool_groups=pool_groups,
-        pool_checkpoints=stores, token_rows=max(spec.seq_len, plan.C) if flat else 0,
+        pool_checkpoints=stores, token_rows=max(spec.seq_len, plan.step_len) if flat else 0,
     )  # fmt: skip

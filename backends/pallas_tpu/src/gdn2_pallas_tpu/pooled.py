@@ -147,10 +147,10 @@ def layout(cu_seqlens, requests: PoolRequests, seq_len: int, C: int, t_pad: int)
     return Layout(position.astype(jnp.int32), placed, source, table)
 
 
-def flat_row(x: jax.Array, C: int) -> jax.Array:
+def flat_row(x: jax.Array, rows: int) -> jax.Array:
     """The flat ``(1, T, H, d)`` tokens as the kernel reads them (flat_tokens.py): unchanged, or
-    zero padded to one chunk when ``T < C`` (a chunk's window is ``C`` tokens)."""
-    pad = C - x.shape[1]
+    zero padded to ``rows`` when ``T < rows`` (a grid step's window, ``nc C`` tokens)."""
+    pad = rows - x.shape[1]
     return jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad > 0 else x
 
 

@@ -350,7 +350,7 @@ def gdn2_pallas_pooled(q, k, v, w, b, g, pool, cu_seqlens, requests, plan: Plan,
         # The kernel reads the flat tokens (flat_tokens.py), v and w as the caller laid them out
         # (T, HV, dv): the core's (T, H, G dv) view of them and this one cancel, no relayout.
         v, w = v.reshape(1, t, hv, dv), w.reshape(1, t, hv, dv)
-        xs = [pooled.flat_row(x, plan.C) for x in (q, k, v, w, b, g)]
+        xs = [pooled.flat_row(x, plan.step_len) for x in (q, k, v, w, b, g)]
     else:
         xs = _padded_inputs((q, k, v, w, b, g), lay, plan)
     o, _, new = gdn2_pallas_forward(*xs, _row_h0(plan), plan, ex)
