@@ -209,7 +209,7 @@ def test_ragged_call_compiles_to_mosaic_for_v5e_with_the_pool_in_place(
     (token-major: the pooled kernel reads the flat tokens and writes o at them, flat_tokens.py:
     no token row is gathered, none relaid out). A float32 g beside the bfloat16 tokens: both
     kernels take it as float32 (the decode kernel on the decodes' rows, the pooled one on the
-    flat tokens)."""
+    flat tokens). Neither the pool nor o is copied: the kernels write both in place."""
     mesh = topology_mesh("v5e:1x1")
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     t, n = 64, 5
@@ -247,6 +247,8 @@ def test_ragged_call_compiles_to_mosaic_for_v5e_with_the_pool_in_place(
     short = "f32" if pool_dtype == jnp.float32 else "bf16"
     pool_shape = f"{short}[{P},{value_heads},128,128]"  # no copy: the kernels write in place
     assert not re.search(re.escape(pool_shape) + r"\{[^}]*\} copy\(", text)
+    # nor of o: the decodes' rows go into the pooled kernel's o in place (ragged/api.py)
+    assert not re.search(rf"bf16\[{t},{value_heads},128\]\{{[^}}]*\}} copy\(", text)
     if heads % 8 == 0:  # the flat tokens, in and out: no gather of a token row, no relayout
         rows = re.findall(r"= bf16\[(\d+),\d+,\d+\]\{[^}]*\} gather\(", text)
         assert [int(r) for r in rows if int(r) >= t] == [], rows

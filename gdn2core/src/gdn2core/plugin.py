@@ -22,14 +22,16 @@ varlen=..., fused_activations=...)`` and then receives ``extras=`` (an :class:`O
 token's sequence, start and end under ``cu_seqlens``).
 
 Helpers for the array methods: :func:`state_dtype` (the accumulation dtype), :func:`probe` (the
-``GDN2_FWD_DIAG`` diagnostics), :func:`default_platform`, :func:`is_tpu_available`, :func:`device_memory_bytes`, and the
-scalar gates broadcast to their channels (:func:`broadcast_gates`, for a backend with
-``Capabilities.scalar_gates`` on a path of its own that takes only the full gates), the
-states of grouped value heads in the core's view (:func:`group_state`, for a backend that reads
-``spec.value_groups`` and writes states in the caller's layout), the
-token-serial references :func:`gdn2_token_serial_reference` and :func:`gdn2_decode_reference`; a
-decode op receives a :class:`DecodeSpec`, and :func:`sanitize_slots` is the core's rule for the slots
-it is given (out of range or repeated: skipped), for a ``decode`` that may be called directly.
+``GDN2_FWD_DIAG`` diagnostics), :func:`default_platform`, :func:`is_tpu_available`,
+:func:`device_memory_bytes`, :func:`count_at_most` (a sorted-array lookup without
+``jnp.searchsorted``'s loop, for the index arithmetic of packed sequences), and the scalar gates
+broadcast to their channels (:func:`broadcast_gates`, for a backend with
+``Capabilities.scalar_gates`` on a path of its own that takes only the full gates), the states of
+grouped value heads in the core's view (:func:`group_state`, for a backend that reads
+``spec.value_groups`` and writes states in the caller's layout), the token-serial references
+:func:`gdn2_token_serial_reference` and :func:`gdn2_decode_reference`; a decode op receives a
+:class:`DecodeSpec`, and :func:`sanitize_slots` is the core's rule for the slots it is given (out
+of range or repeated: skipped), for a ``decode`` that may be called directly.
 """
 
 from gdn2core.backend import YES, Backend, Capabilities, Verdict
@@ -41,6 +43,7 @@ from gdn2core.features.pooled import FROM_NAN, FROM_ZEROS, PoolRequests
 from gdn2core.features.scalar_gates import broadcast_gates
 from gdn2core.features.segments import segment_starts, varlen_layout
 from gdn2core.hooks import BACKENDS_GROUP, TOOLS_GROUP, Command, KernelCost, hookimpl
+from gdn2core.indexing import count_at_most
 from gdn2core.ops.decode.reference import gdn2_decode_reference
 from gdn2core.ops.decode.spec import PAIRWISE_MAX, DecodeSpec, sanitize_slots
 from gdn2core.ops.forward.reference import gdn2_token_serial_reference
@@ -70,6 +73,7 @@ __all__ = [
     "SegmentMode",
     "Verdict",
     "broadcast_gates",
+    "count_at_most",
     "default_platform",
     "device_memory_bytes",
     "gdn2_decode_reference",

@@ -37,6 +37,7 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
 from gdn2_jax_ref.chunk import Blocking
+from gdn2core.plugin import count_at_most
 
 
 def varlen_length(seq_len: int, n_seqs: int, bt: int) -> int:
@@ -82,7 +83,7 @@ class VarlenLayout:
         # Chunk c belongs to the last sequence n with first_chunk[n] <= c (skipping empty ones).
         c = jnp.arange(n_chunks, dtype=jnp.int32)  # [Nc]
         used = c < first_chunk[-1]  # [Nc] chunks that hold a sequence
-        seq = jnp.clip(jnp.searchsorted(first_chunk, c, side="right") - 1, 0, n_seqs - 1)  # [Nc]
+        seq = jnp.clip(count_at_most(first_chunk, c) - 1, 0, n_seqs - 1)  # [Nc]
         offset = bt * (c - first_chunk[seq])  # [Nc] first row's position inside its sequence
         src = jnp.where(used, cu[seq] + offset, seq_len)  # [Nc] unused: the zero padding
         n_rows = jnp.where(used, jnp.minimum(bt, lens[seq] - offset), 0)  # [Nc]

@@ -66,7 +66,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gdn2core.plugin import FROM_ZEROS as START_ZEROS
-from gdn2core.plugin import PoolRequests
+from gdn2core.plugin import PoolRequests, count_at_most
 
 READ, MODE, OUT, CKPT, REL, LO, HI, WROWS = range(8)  # rows of the chunk table
 CARRY, FROM_SLOT, FROM_ZEROS, FROM_NAN = 0, 1, 2, 3  # MODE values
@@ -102,7 +102,7 @@ def layout(cu_seqlens, requests: PoolRequests, seq_len: int, C: int, t_pad: int)
     end_chunk = jnp.cumsum(chunks)  # [N]
     first_chunk = end_chunk - chunks  # [N]
     token = jnp.arange(seq_len, dtype=jnp.int32)  # [T]
-    req = jnp.searchsorted(cu[1:], token, side="right").astype(jnp.int32)  # [T], N: after all
+    req = count_at_most(cu[1:], token)  # [T], N: after all
     placed = (token >= cu[0]) & (req < n)
     rq = jnp.minimum(req, n - 1)
     padded = (requests.writes[rq] < 0) & (requests.starts[rq] == START_ZEROS)
@@ -112,7 +112,7 @@ def layout(cu_seqlens, requests: PoolRequests, seq_len: int, C: int, t_pad: int)
 
     n_chunks = t_pad // C
     chunk = jnp.arange(n_chunks, dtype=jnp.int32)
-    rc = jnp.searchsorted(end_chunk, chunk, side="right").astype(jnp.int32)  # [n_chunks]
+    rc = count_at_most(end_chunk, chunk)  # [n_chunks]
     used = rc < n  # a chunk of a request (the one of its first chunk has chunks > 0)
     rc = jnp.minimum(rc, n - 1)
     dropped = (requests.writes[rc] < 0) & (requests.starts[rc] == START_ZEROS)  # padded: o zero

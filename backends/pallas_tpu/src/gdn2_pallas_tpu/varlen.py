@@ -35,6 +35,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from gdn2core.plugin import count_at_most
+
 SEQ, FIRST, LAST = 0, 1, 2  # rows of the chunk table
 #: SMEM per core of every generation the kernels target (v5e, v5p, v6e, v7x:
 #: ``pltpu.get_tpu_info().smem_capacity_bytes``).
@@ -116,11 +118,11 @@ def layout(
     end_chunk = jnp.cumsum(chunks)  # [N] first chunk after each sequence
     first_chunk = end_chunk - chunks  # [N]
     token = jnp.arange(seq_len, dtype=jnp.int32)
-    seq_of_token = jnp.searchsorted(cu[1:], token, side="right").astype(jnp.int32)  # [T]
+    seq_of_token = count_at_most(cu[1:], token)  # [T]
     position = first_chunk[seq_of_token] * C + token - cu[seq_of_token]
     source = jnp.full((t_pad,), seq_len, jnp.int32).at[position].set(token)
     chunk = jnp.arange(t_pad // C, dtype=jnp.int32)
-    seq_of_chunk = jnp.searchsorted(end_chunk, chunk, side="right").astype(jnp.int32)
+    seq_of_chunk = count_at_most(end_chunk, chunk)
     seq_safe = jnp.minimum(seq_of_chunk, n_seqs - 1)
     used = seq_of_chunk < n_seqs  # chunks after the last sequence belong to none
     first = used & (chunk == first_chunk[seq_safe])

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdn2core.indexing import count_at_most
 from gdn2core.options import SegmentMode, as_index_array
 
 
@@ -148,7 +149,7 @@ def varlen_layout(cu_seqlens: jax.Array, seq_len: int) -> tuple[jax.Array, jax.A
     """
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)  # a NumPy array cannot be indexed by a tracer
     t = jnp.arange(seq_len, dtype=jnp.int32)  # [T]
-    seq = jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32)  # [T]
+    seq = count_at_most(cu[1:], t)  # [T]
     n = cu.shape[0] - 1
     safe = jnp.minimum(seq, n - 1)
     return seq, t == cu[safe], t == cu[safe + 1] - 1

@@ -25,6 +25,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+from gdn2core.indexing import count_at_most
 from gdn2core.ops.ragged.api import gdn2_ragged
 from gdn2core.ops.ragged.spec import RaggedSpec, checkpoint_cuts, ragged_slots
 
@@ -170,7 +171,7 @@ def ragged_call(
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)  # [N + 1]
     slots = ragged_slots(spec, state_indices, checkpoint_slots, draft_slots)
     flags = jnp.ones((n,), bool) if has_initial_state is None else jnp.asarray(has_initial_state)
-    seq = jnp.searchsorted(cu[1:], jnp.arange(t, dtype=jnp.int32), side="right")  # [T], N: pad
+    seq = count_at_most(cu[1:], jnp.arange(t, dtype=jnp.int32))  # [T], N: pad
     local = jnp.arange(t, dtype=jnp.int32) - cu[seq]  # [T]
 
     # The windows stored: (request, its tokens of this call before it, slot; P: not stored).

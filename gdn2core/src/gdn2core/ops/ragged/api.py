@@ -19,6 +19,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any, Unpack
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
@@ -172,18 +173,25 @@ def run_call(spec: RaggedSpec, parsed: Features, x, pool, metadata: dict, featur
         flags=flags, context_lens=ctx, features=parsed, raw_features=features, config=config,
         backend=backend,
     )  # fmt: skip
-    done = run_pooled(call, x, pool) if d < n else None  # the kernels address the slots
+    if d == n:  # decodes only: o theirs (zero on tokens of no decode), padded to T rows
+        o = jnp.zeros((0, spec.heads, spec.dv), x[2].dtype)
+        if d:
+            o, _, pool = run_decodes(call, x, pool)  # [R, HV, dv]
+        return jnp.pad(o, ((0, spec.tokens - o.shape[0]), (0, 0), (0, 0))), pool
+    done = run_pooled(call, x, pool)  # the kernels address the slots
     if done is not None:
         o, pool = done
-    elif d < n:  # o [T, HV, dv]: zero on the decodes' tokens (one padded piece there)
+    else:  # o [T, HV, dv]: zero on the decodes' tokens (one padded piece there)
         start = start_states(call, pool, d)
         o, pool = run_packed(call, x, pool, start)
-    else:
-        o = jnp.zeros((spec.tokens, spec.heads, spec.dv), x[2].dtype)
     if d:  # the decodes' outputs into the leading R rows, in place
         o_dec, mine, pool = run_decodes(call, x, pool)  # [R, HV, dv], [R]
         r = o_dec.shape[0]
-        o = o.at[:r].set(jnp.where(mine[:, None, None], o_dec, o[:r]))
+        # o's first R rows read apart (a barrier keeps XLA from fusing the read into the
+        # update): an update that reads the buffer it writes is done on a copy of all of o
+        # (in the v5e estimate 83 us for 64 decodes and 2 prompts of 2048, 4% of the step)
+        head = jax.lax.optimization_barrier(o[:r])  # [R, HV, dv]
+        o = o.at[:r].set(jnp.where(mine[:, None, None], o_dec, head))
     return o, pool
 
 

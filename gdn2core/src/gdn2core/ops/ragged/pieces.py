@@ -25,6 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from gdn2core.indexing import count_at_most
 from gdn2core.ops.ragged.spec import RaggedSlots, RaggedSpec, checkpoint_cuts
 
 
@@ -96,7 +97,7 @@ def cut_row(spec: RaggedSpec, cu: jax.Array, cuts: Cuts) -> Pieces:
     inner = jnp.sort(jnp.concatenate([cu, ends]))  # [N + 1 + K], starts with cu[0] = 0
     offsets = jnp.concatenate([inner, jnp.full((1,), t, jnp.int32)]).astype(jnp.int32)
     first = offsets[:-1]  # [Q]
-    request = jnp.searchsorted(cu[1:], first, side="right").astype(jnp.int32)  # [Q], N: padding
+    request = count_at_most(cu[1:], first)  # [Q], N: padding
     return Pieces(offsets, request, first == cu[request])  # cu[N]: the padding's first token
 
 
@@ -110,7 +111,7 @@ def piece_ending_at(pieces: Pieces, end: jax.Array) -> jax.Array:
     Returns:
         ``[...]`` int32 piece indices.
     """
-    return (jnp.searchsorted(pieces.offsets, end - 1, side="right") - 1).astype(jnp.int32)
+    return count_at_most(pieces.offsets, end - 1) - 1
 
 
 def chain(pieces: Pieces, h0: jax.Array, maps: jax.Array, dk: int) -> jax.Array:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from gdn2core.checks import state_dtype
 from gdn2core.features.activations import apply_activations
+from gdn2core.indexing import count_at_most
 from gdn2core.ops.decode.spec import DecodeSpec, backend_decay, expand_heads
 from gdn2core.ops.forward.api import forward_continued, gdn2_forward, which_backend
 from gdn2core.ops.ragged import pieces as pc
@@ -106,8 +107,9 @@ def run_decodes(call: Call, x, pool: jax.Array) -> tuple[jax.Array, jax.Array, j
     lens = cu[1 : d + 1] - cu[:d]  # [D]
     j = jnp.arange(s, dtype=jnp.int32)  # [S]
     real = j[None] < lens[:, None]  # [D, S]
-    where = jnp.where(real, cu[:d, None] + j[None], 0)  # [D, S] flat token of each
-    q, k, v, w, b, g = (jnp.take(a, where, axis=0) for a in x)  # [D, S, heads, d]
+    where = jnp.where(real, cu[:d, None] + j[None], 0)  # [D, S] flat token of each, < T
+    # in bounds (cu[D] <= T): no select for out-of-range indices around the gathers
+    q, k, v, w, b, g = (a.at[where].get(mode="promise_in_bounds") for a in x)  # [D, S, ...]
     act = call.features.activations
     if act.any:
         extras = call.features.extras
@@ -132,13 +134,13 @@ def run_decodes(call: Call, x, pool: jax.Array) -> tuple[jax.Array, jax.Array, j
     )  # fmt: skip
     if token_cuts:
         flat = token_states.reshape(-1, *token_states.shape[2:])  # [D S, HV, dk, dv]
-    silent = slots.padded[:d, None, None, None]  # [D, 1, 1, 1]
-    od = jnp.where(silent, 0.0, od).astype(x[2].dtype)  # [D, S, HV, dv]
     token = jnp.arange(min(spec.tokens, d * s), dtype=jnp.int32)  # [R]
-    row = jnp.minimum(jnp.searchsorted(cu[1 : d + 1], token, side="right"), d - 1)  # [R]
+    row = jnp.minimum(count_at_most(cu[1 : d + 1], token), d - 1)  # [R]
     col = token - cu[row]  # [R]
     mine = (token < cu[d]) & (col < s)
-    o = jnp.where(mine[:, None, None], od[row, jnp.minimum(col, s - 1)], 0.0)  # [R, HV, dv]
+    said = mine & ~slots.padded[:d][row]  # [R]: a padded decode's output is zero
+    got = od.at[row, jnp.minimum(col, s - 1)].get(mode="promise_in_bounds")  # [R, HV, dv]
+    o = jnp.where(said[:, None, None], got, 0.0).astype(x[2].dtype)
     if spec.checkpoint_cols:  # checkpoints among the decodes' tokens: few, one write each
         every, cols = spec.checkpoint_every, spec.checkpoint_cols
         ctx = call.context_lens[:d, None]  # [D, 1]
@@ -238,7 +240,7 @@ def run_packed(call: Call, x, pool: jax.Array, start: jax.Array) -> tuple[jax.Ar
             *row, h0=h0[pieces.request], cu_seqlens=pieces.offsets, backend=backend, **run
         )  # o: [1, T, HV, dv]; finals: [Q, HV, dk, dv]
 
-    seq = jnp.searchsorted(cu[1:], jnp.arange(t, dtype=jnp.int32), side="right")  # [T]
+    seq = count_at_most(cu[1:], jnp.arange(t, dtype=jnp.int32))  # [T]
     silent = jnp.concatenate([slots.padded, jnp.ones((1,), bool)])[seq]  # padding, padded
     o = jnp.where(silent[:, None, None], 0.0, o[0]).astype(x[2].dtype)
 
