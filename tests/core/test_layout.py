@@ -168,7 +168,7 @@ def test_every_distribution_ships_readme_license_and_types():
 #: only their docstring.
 LAYERS: tuple[tuple[str, ...], ...] = (
     # 0. validation of shapes and options, the config, the platform
-    ("options", "checks", "config", "platform", "install", "diagnostics"),
+    ("options", "checks", "config", "platform", "install", "diagnostics", "indexing"),
     # 1. the model features' validation and XLA paths
     ("features.segments", "features.activations", "features.pooled"),
     # 2. the ops' specs

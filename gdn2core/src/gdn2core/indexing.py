@@ -20,7 +20,15 @@ COMPARE_ALL_MAX: Final = 1 << 24
 
 
 def count_at_most(edges: jax.Array, values: jax.Array) -> jax.Array:
-    """``jnp.searchsorted(edges, values, side="right")`` as int32: for each value, how many of
-    the sorted ``edges`` are ``<= value`` (module docstring for the method)."""
+    """``jnp.searchsorted(edges, values, side="right")`` as int32 (module docstring for the
+    method).
+
+    Args:
+        edges: ``[n]`` sorted (ascending; repeats allowed).
+        values: ``[m]`` any.
+
+    Returns:
+        ``[m]`` int32: for each value, how many of the edges are ``<= value``.
+    """
     method = "compare_all" if edges.size * values.size <= COMPARE_ALL_MAX else "scan_unrolled"
     return jnp.searchsorted(edges, values, side="right", method=method).astype(jnp.int32)
