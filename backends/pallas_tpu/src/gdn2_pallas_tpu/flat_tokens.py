@@ -262,9 +262,9 @@ class FlatOutput:
     def _all(self, step, start: bool) -> None:
         """Start (or wait for) the DMAs of grid step ``step``: one per value-head window when
         the step's rows are consecutive and all written (:func:`step_table`), else chunk by chunk.
-        The chunk by chunk path costs branches on the scalar unit (per chunk and window, and per
-        bit of a partial chunk's row count): its own DMAs and branches on every step were 5% of
-        the kernel (TPU compiler static estimate, v5e, 2 prompts of 1024, H = 16, HV = 32, f32)."""
+        The chunk by chunk path costs DMAs and branches on the scalar unit (per chunk and window,
+        and per bit of a partial chunk's row count): taken on every step, 2.5% more of the kernel
+        (TPU compiler static estimate, v5e, 2 prompts of 1024, H = 16, HV = 32, float32)."""
         want = self.steps[WHOLE, step]  # -1: not whole
 
         @pl.when(want >= 0)
