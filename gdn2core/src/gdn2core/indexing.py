@@ -2,7 +2,7 @@
 
 ``jnp.searchsorted``'s default method is a ``while`` loop of ``log2(n)`` binary-search steps: on
 a TPU one small XLA op per step, each about 1-3 us whatever the sizes (TPU compiler static
-estimate, v5e: the ragged step's 256 decodes spent 73 us in one such loop over 256 tokens, 7%
+estimate, v5e: the ragged step's 256 decodes spent 71 us in one such loop over 256 tokens, 7%
 of the step). Comparing every value with every edge is one fused op and, for the sizes of a
 serving step, cheaper; above :data:`COMPARE_ALL_MAX` comparisons the steps are unrolled instead
 (no loop, the same ``log2(n)`` ops).

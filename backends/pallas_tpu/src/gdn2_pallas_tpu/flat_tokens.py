@@ -75,7 +75,8 @@ F32 = jnp.float32
 
 
 def first_token(table, chunk, plan: Plan):
-    """The flat token of chunk ``chunk``'s row 0 (negative, or past the end: filler rows)."""
+    """The flat token of chunk ``chunk``'s row 0 (negative, or past the end: filler rows); in
+    the kernel on an SMEM table, or in XLA on the table and an array of chunks."""
     return chunk * plan.C + table[pooled.REL, chunk]
 
 
@@ -100,7 +101,7 @@ def step_table(table: jax.Array, plan: Plan) -> jax.Array:
     float32)."""
     chunk = jnp.arange(plan.t_pad // plan.C, dtype=jnp.int32)  # [n_chunks]
     shape = (plan.n_steps, plan.nc)
-    first = (chunk * plan.C + table[pooled.REL]).reshape(shape)  # [n_steps, nc]
+    first = first_token(table, chunk, plan).reshape(shape)  # [n_steps, nc]
     rows = (table[pooled.LO] < table[pooled.HI]).reshape(shape)
     none = plan.token_rows  # above the first token of every chunk with rows
     lowest = jnp.min(jnp.where(rows, first, none), axis=1)  # [n_steps]
