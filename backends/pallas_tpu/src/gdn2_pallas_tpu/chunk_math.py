@@ -24,7 +24,10 @@ operands: one stacked product per score matrix and per backward contraction.
 
 The WY inverse by the same levels: with ``T_l`` the inverse of the block-diagonal part of
 ``M = (1 + eps) I + A_kk`` in blocks of ``2^l`` rows, and ``A_l`` the pairs of level ``l``,
-``T_(l+1) = T_l - T_l A_l T_l`` exactly (``A_l T_l A_l = 0``): ``2 L`` products.
+``T_(l+1) = T_l - T_l A_l T_l`` exactly (``A_l T_l A_l = 0``): ``2 L`` products, of which
+level 0's are free and, from ``h = 8`` up, each takes half the rows (:func:`wy_inverse`). The
+scores and ``rho`` take half the rows from ``h = 8`` up too (:func:`lower_rows`): the MXU's time
+goes by the rows it is fed.
 """
 
 from __future__ import annotations
@@ -123,6 +126,28 @@ def level_pairs(C: int, level: int) -> jax.Array:
     return ((r >> (level + 1)) == (s >> (level + 1))) & ((r & h) != 0) & ((s & h) == 0)
 
 
+def lower_rows(x: jax.Array, h: int) -> jax.Array:
+    """[U, C/2, N]: the rows of ``x`` [U, C, N] in the lower halves of its aligned ``2h``-row
+    blocks, in order (``h >= 8``: whole sublane tiles, a reshape and a slice)."""
+    U, C, N = x.shape
+    return x.reshape(U, C // (2 * h), 2 * h, N)[:, :, h:, :].reshape(U, C // 2, N)
+
+
+def with_lower_rows(x: jax.Array, lower: jax.Array, h: int) -> jax.Array:
+    """``x`` [U, C, N] with the rows of :func:`lower_rows` replaced by ``lower`` [U, C/2, N]."""
+    U, C, N = x.shape
+    blocks = x.reshape(U, C // (2 * h), 2 * h, N)
+    lower = lower.reshape(U, C // (2 * h), h, N)
+    return jnp.concatenate([blocks[:, :, :h, :], lower], axis=2).reshape(U, C, N)
+
+
+def lower_level_pairs(C: int, level: int) -> jax.Array:
+    """[C/2, C] bool: :func:`level_pairs` on the rows of :func:`lower_rows` (row ``i`` is row
+    ``r = 2h (i // h) + h + i % h`` of the chunk)."""
+    i, s = iota((C // 2, C), 0), iota((C // 2, C), 1)
+    return ((i >> level) == (s >> (level + 1))) & ((s & (1 << level)) == 0)
+
+
 def block_pairs(C: int, block: int) -> jax.Array:
     """[C, C] bool: the pairs (r > s) inside one aligned ``block``-row block: those first
     separated at a level below ``log2(block)``."""
@@ -175,6 +200,13 @@ class Level:
     def col_factor(self) -> jax.Array:
         """[U, C, K]: the factor of the earlier row s of a pair (0 on rows that are none)."""
         return self.F_col if self.lower is None else jnp.where(self.lower, ZERO, self.F)
+
+    @property
+    def tile_rows(self) -> int:
+        """``h`` when this is one level whose halves are whole sublane tiles (``h >= 8``): its
+        products then take the lower-half rows alone (:func:`lower_rows`); else 0."""
+        h = 1 << self.lo
+        return h if self.lower is not None and h >= NUM_SUBLANES else 0
 
     def pairs(self, C: int) -> jax.Array:
         """[C, C] bool: the pairs this level holds."""
@@ -340,6 +372,19 @@ def scores(
     A_kk = jnp.zeros((U, C, C), F32)
     A_qk = jnp.zeros((U, C, C), F32)
     for lv in levels:
+        h = lv.tile_rows
+        if h:  # only the lower-half rows take part: push those alone
+            F = lower_rows(lv.F, h)  # [U, C/2, K]
+            X = jnp.concatenate([lower_rows(E, h) * F, lower_rows(q, h) * F], axis=1)  # [U, C, K]
+            pairs = mm_nt(X, k * lv.col_factor, precision)  # [U, C, C]
+            here = lower_level_pairs(C, lv.lo)  # [C/2, C]
+            A_kk = with_lower_rows(
+                A_kk, jnp.where(here, pairs[:, : C // 2], lower_rows(A_kk, h)), h
+            )
+            A_qk = with_lower_rows(
+                A_qk, jnp.where(here, pairs[:, C // 2 :], lower_rows(A_qk, h)), h
+            )
+            continue
         row_f = lv.row_factor  # [U, C, K]
         X = jnp.concatenate([E * row_f, q * row_f], axis=1)  # [U, 2C, K]
         pairs = mm_nt(X, k * lv.col_factor, precision)  # [U, 2C, C]
@@ -350,13 +395,27 @@ def scores(
 
 
 def wy_inverse(A_kk: jax.Array, wy_eps: float, precision: MatmulPrecision) -> jax.Array:
-    """F5: ``T = ((1 + wy_eps) I + A_kk)^-1`` [U, C, C] by levels (module docstring)."""
-    U, C, _ = A_kk.shape
-    eye = (iota((C, C), 0) == iota((C, C), 1)).astype(F32)
-    T = jnp.broadcast_to(eye / (1.0 + wy_eps), (U, C, C))  # [U, C, C] level 0: the diagonal
-    for level in range(n_levels(C)):
+    """F5: ``T = ((1 + wy_eps) I + A_kk)^-1`` [U, C, C] by levels (module docstring).
+
+    Level 0 needs no product (``T_0 = I / (1 + wy_eps)``, so ``T_0 A_0 T_0 = A_0 / (1 + wy_eps)^2``).
+    The correction ``T_l A_l T_l`` of a level lives on its lower-half rows only (``A_l``'s rows
+    are, and ``T_l`` keeps every row inside its ``2^l``-block), so from ``h = 8`` up, where those
+    rows are whole sublane tiles, it is computed as ``(T_l[lower] A_l) T_l``: products of ``C / 2``
+    rows, half the MXU pushes of ``C``-row ones."""
+    C = A_kk.shape[-1]
+    d = 1.0 / (1.0 + wy_eps)
+    eye = (iota((C, C), 0) == iota((C, C), 1)).astype(F32)  # [C, C]
+    A_0 = jnp.where(level_pairs(C, 0), A_kk, ZERO)  # [U, C, C]
+    T = d * eye - (d * d) * A_0  # [U, C, C] T_1: blocks of 2 rows
+    for level in range(1, n_levels(C)):
+        h = 1 << level
         A_l = jnp.where(level_pairs(C, level), A_kk, ZERO)  # [U, C, C]
-        T = T - mm(T, mm(A_l, T, precision), precision)
+        if h >= NUM_SUBLANES:
+            T_lo = lower_rows(T, h)  # [U, C/2, C]
+            corr = mm(mm(T_lo, A_l, precision), T, precision)  # [U, C/2, C]
+            T = with_lower_rows(T, T_lo - corr, h)
+        else:
+            T = T - mm(T, mm(A_l, T, precision), precision)
     return T
 
 
@@ -395,6 +454,23 @@ def score_backward(
     dE_s = jnp.zeros((U, C, K), F32)
     dK_s = jnp.zeros((U, C, K), F32)
     for lv in levels:
+        h = lv.tile_rows
+        if h:  # only the lower-half rows r take part: push those alone
+            here = lower_level_pairs(C, lv.lo)  # [C/2, C]
+            P = jnp.concatenate(
+                [
+                    jnp.where(here, lower_rows(P_qk, h), ZERO),
+                    jnp.where(here, lower_rows(P_kk, h), ZERO),
+                ],
+                axis=1,
+            )  # [U, C, C]
+            F, col_f = lower_rows(lv.F, h), lv.col_factor  # [U, C/2, K], [U, C, K]
+            rho = mm(P, k * col_f, precision)  # [U, C, K]
+            dQ_s = with_lower_rows(dQ_s, lower_rows(dQ_s, h) + F * rho[:, : C // 2], h)
+            dE_s = with_lower_rows(dE_s, lower_rows(dE_s, h) + F * rho[:, C // 2 :], h)
+            X = jnp.concatenate([lower_rows(q, h) * F, lower_rows(E, h) * F], axis=1)  # [U, C, K]
+            dK_s = dK_s + col_f * mm_tn(P, X, precision)  # [U, C, K]
+            continue
         here = lv.pairs(C)  # [C, C]
         P = jnp.concatenate([jnp.where(here, P_qk, ZERO), jnp.where(here, P_kk, ZERO)], axis=1)
         row_f, col_f = lv.row_factor, lv.col_factor  # [U, C, K]

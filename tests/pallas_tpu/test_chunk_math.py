@@ -1,0 +1,41 @@
+"""The kernels' chunk math that runs outside a kernel too (plain JAX on the CPU): the lower-half
+rows of a level and the WY inverse by levels, against NumPy in float64."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdn2_pallas_tpu import chunk_math as cm
+from gdn2_pallas_tpu.matmul import MatmulPrecision
+
+
+@pytest.mark.parametrize("C", [64, 128])
+def test_lower_rows_of_every_tile_level(C):
+    x = np.arange(2 * C * 3, dtype=np.float32).reshape(2, C, 3)
+    for level in range(3, cm.n_levels(C)):  # h = 8 and up: whole sublane tiles
+        h = 1 << level
+        rows = np.array([r for r in range(C) if r & h])  # the lower halves, in order
+        np.testing.assert_array_equal(np.asarray(cm.lower_rows(jnp.asarray(x), h)), x[:, rows])
+        new = -np.ones((2, C // 2, 3), np.float32)
+        expected = x.copy()
+        expected[:, rows] = new
+        got = cm.with_lower_rows(jnp.asarray(x), jnp.asarray(new), h)
+        np.testing.assert_array_equal(np.asarray(got), expected)
+        # the level's pairs restricted to those rows
+        full = np.asarray(cm.level_pairs(C, level))
+        np.testing.assert_array_equal(np.asarray(cm.lower_level_pairs(C, level)), full[rows])
+
+
+@pytest.mark.parametrize(("C", "wy_eps"), [(64, 0.0), (64, 1e-3), (32, 0.25), (16, 0.0)])
+def test_wy_inverse_by_levels_matches_the_dense_inverse(C, wy_eps):
+    rng = np.random.default_rng(C)
+    # Entries of size 0.1: |T| stays O(1), so float32 products leave ~1e-6 of it; a wrong level
+    # (its correction on the wrong rows, the level-0 term without its square) gives O(0.1).
+    A = np.tril(0.1 * rng.standard_normal((3, C, C)), -1)  # [U, C, C] f64
+    T = cm.wy_inverse(jnp.asarray(A, jnp.float32), wy_eps, MatmulPrecision.F32)
+    expected = np.linalg.inv((1.0 + wy_eps) * np.eye(C) + A)
+    err = np.max(np.abs(np.asarray(T, np.float64) - expected))
+    assert err < 1e-5 * np.max(np.abs(expected)), err
+    assert np.max(np.abs(np.triu(np.asarray(T), 1))) == 0.0  # lower triangular
