@@ -1,5 +1,6 @@
 """The kernels' chunk math that runs outside a kernel too (plain JAX on the CPU): the lower-half
-rows of a level and the WY inverse by levels, against NumPy in float64."""
+rows of a level and the WY inverse by levels, against NumPy in float64; the products per unit
+(the compiled kernels) against the batched ones (interpret mode)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import numpy as np
 import pytest
 
 from gdn2_pallas_tpu import chunk_math as cm
-from gdn2_pallas_tpu.matmul import MatmulPrecision
+from gdn2_pallas_tpu import matmul
+from gdn2_pallas_tpu.matmul import MatmulPrecision, mm, mm_nt, mm_tn, traced_for
 
 
 @pytest.mark.parametrize("C", [64, 128])
@@ -39,3 +41,32 @@ def test_wy_inverse_by_levels_matches_the_dense_inverse(C, wy_eps):
     err = np.max(np.abs(np.asarray(T, np.float64) - expected))
     assert err < 1e-5 * np.max(np.abs(expected)), err
     assert np.max(np.abs(np.triu(np.asarray(T), 1))) == 0.0  # lower triangular
+
+
+@pytest.mark.parametrize("precision", list(MatmulPrecision))
+def test_products_per_unit_equal_the_batched_ones(precision):
+    # The compiled kernels multiply unit by unit (matmul._dot), interpret mode batches: the same
+    # products, so the results must agree to the last bit (up to float32 summation order: none
+    # differs here, as each output is one dot product of the same operands either way).
+    rng = np.random.default_rng(3)
+    a = jnp.asarray(rng.standard_normal((5, 16, 32)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((5, 32, 8)), jnp.float32)
+    bt = jnp.swapaxes(b, 1, 2)
+    for name, fn, args in (
+        ("mm", mm, (a, b)),
+        ("mm_nt", mm_nt, (a, bt)),
+        ("mm_tn", mm_tn, (jnp.swapaxes(a, 1, 2), b)),
+    ):
+        per_unit = fn(*args, precision)
+        batched = traced_for(lambda f=fn, x=args: f(*x, precision), True)()
+        expected = np.einsum("umk,ukn->umn", np.asarray(a, np.float64), np.asarray(b, np.float64))
+        np.testing.assert_array_equal(np.asarray(per_unit), np.asarray(batched), err_msg=name)
+        # and both are the product (bf16 rounding of the operands: 2^-8 relative, summed over 32)
+        assert np.max(np.abs(np.asarray(per_unit) - expected)) < 0.1, name
+
+
+def test_batching_is_set_only_while_a_kernel_is_traced():
+    assert not matmul._BATCHED.get()
+    assert traced_for(matmul._BATCHED.get, True)() is True
+    assert traced_for(matmul._BATCHED.get, False)() is False
+    assert not matmul._BATCHED.get()

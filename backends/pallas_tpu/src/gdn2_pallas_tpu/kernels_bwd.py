@@ -28,7 +28,7 @@ from gdn2_pallas_tpu import activations as act
 from gdn2_pallas_tpu import blocks, refs, state_writes, varlen
 from gdn2_pallas_tpu import chunk_math as cm
 from gdn2_pallas_tpu.cost import cost_backward
-from gdn2_pallas_tpu.matmul import mm, mm_nt, mm_tn
+from gdn2_pallas_tpu.matmul import mm, mm_nt, mm_tn, traced_for
 from gdn2_pallas_tpu.plan import Plan
 
 F32 = jnp.float32
@@ -300,7 +300,10 @@ def backward_call(
         refs.Scratch("sems", vio.out_sems(len(dims))),
     )
     return pl.pallas_call(
-        kernel_refs.kernel(functools.partial(_backward_kernel, plan=plan), BackwardRefs),
+        kernel_refs.kernel(
+            traced_for(functools.partial(_backward_kernel, plan=plan), plan.interpret is not None),
+            BackwardRefs,
+        ),
         out_shape=kernel_refs.out_shape,
         grid=plan.grid(),
         in_specs=kernel_refs.in_specs,

@@ -65,7 +65,7 @@ from jax.experimental.pallas import tpu as pltpu
 from gdn2_pallas_tpu import refs
 from gdn2_pallas_tpu.blocks import I0, hbm_any, interpret_params
 from gdn2_pallas_tpu.decode_plan import DecodePlan, cost_decode
-from gdn2_pallas_tpu.matmul import MatmulPrecision, mm, split_bf16_exact
+from gdn2_pallas_tpu.matmul import MatmulPrecision, mm, split_bf16_exact, traced_for
 from gdn2_pallas_tpu.plan import NUM_SUBLANES
 
 F32 = jnp.float32
@@ -301,7 +301,10 @@ def decode_call(q, k, v, w, b, g, state, slots, sources, *, plan: DecodePlan):
         scratch_shapes=kernel_refs.scratch_shapes,
     )
     return pl.pallas_call(
-        kernel_refs.kernel(functools.partial(_decode_kernel, plan=plan), DecodeRefs),
+        kernel_refs.kernel(
+            traced_for(functools.partial(_decode_kernel, plan=plan), plan.interpret is not None),
+            DecodeRefs,
+        ),
         out_shape=kernel_refs.out_shape,
         grid_spec=grid_spec,
         input_output_aliases=kernel_refs.input_output_aliases,

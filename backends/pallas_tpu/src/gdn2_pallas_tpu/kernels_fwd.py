@@ -22,7 +22,7 @@ from gdn2_pallas_tpu import activations as act
 from gdn2_pallas_tpu import blocks, flat_tokens, pooled, refs, state_writes, varlen
 from gdn2_pallas_tpu import chunk_math as cm
 from gdn2_pallas_tpu.cost import cost_forward
-from gdn2_pallas_tpu.matmul import mm, mm_tn
+from gdn2_pallas_tpu.matmul import mm, mm_tn, traced_for
 from gdn2_pallas_tpu.plan import Plan
 
 F32 = jnp.float32
@@ -275,7 +275,12 @@ def forward_call(
         aliases={"seq_h0": "seq_h_final"} if plan.pooled else None,  # the pool, in place
     )
     return pl.pallas_call(
-        kernel_refs.kernel(functools.partial(_forward_kernel, plan=plan, save=save), ForwardRefs),
+        kernel_refs.kernel(
+            traced_for(
+                functools.partial(_forward_kernel, plan=plan, save=save), plan.interpret is not None
+            ),
+            ForwardRefs,
+        ),
         out_shape=kernel_refs.out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=kernel_refs.num_scalar_prefetch,

@@ -19,7 +19,9 @@ docs/algorithm.md section 10 ("Precision") has the measured errors of each choic
 
 from __future__ import annotations
 
+import contextvars
 import enum
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +29,25 @@ from jax import lax
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
+
+#: Whether a batch of units' products is one batched ``dot_general`` (TPU interpret mode, which
+#: dispatches every product on its own: ``U`` of them took three times as long in the tests) or
+#: ``U`` two-dimensional ones (the compiled kernels; :func:`_dot` says why). The same products
+#: either way. Set while a kernel body is traced (:func:`traced_for`); per unit outside one.
+_BATCHED = contextvars.ContextVar("gdn2_pallas_tpu_batched_units", default=False)
+
+
+def traced_for(body: Callable, interpret: bool) -> Callable:
+    """``body`` (a kernel) traced with its products batched in interpret mode, per unit else."""
+
+    def traced(*args, **kwargs):
+        token = _BATCHED.set(interpret)
+        try:
+            return body(*args, **kwargs)
+        finally:
+            _BATCHED.reset(token)
+
+    return traced
 
 
 class MatmulPrecision(enum.Enum):
@@ -63,7 +84,22 @@ def split_bf16_exact(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 
 def _dot(a: jax.Array, b: jax.Array, contract, precision: MatmulPrecision) -> jax.Array:
-    dims = (contract, ((0,), (0,)))  # batch over axis 0 (units)
+    """The product of every unit, each as its own two-dimensional product, stacked.
+
+    Not one batched ``dot_general``: Mosaic rounds a three-dimensional float32 array to bfloat16
+    into half-filled (8, 128) tiles (one pack per float32 vreg) and then repacks them into the
+    (16, 128) tiles the MXU reads (an unpack and a pack more per vreg), where a two-dimensional
+    one is one pack per two vregs. Those conversions were a third of the vector ALU's work in
+    the kernels (static estimate, B = 1, T = 1024, H = 6, v5e, bf16: the forward kernel 62,218
+    -> 54,165 cycles, the backward 110,070 -> 100,993, from this alone)."""
+    if _BATCHED.get():
+        return _dot_any(a, b, (contract, ((0,), (0,))), precision)  # batch over axis 0 (units)
+    (ca,), (cb,) = contract
+    dims = (((ca - 1,), (cb - 1,)), ((), ()))  # of one unit's [m, k] and [k, n] (or [n, k])
+    return jnp.stack([_dot_any(a[u], b[u], dims, precision) for u in range(a.shape[0])])
+
+
+def _dot_any(a: jax.Array, b: jax.Array, dims, precision: MatmulPrecision) -> jax.Array:
     if precision is MatmulPrecision.F32:
         return lax.dot_general(
             a.astype(F32),
