@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import json
 import os
 import re
 import shutil
@@ -107,11 +108,10 @@ def measure(program: static_profile.Program, tpu: str, kernel: str) -> Utilizati
         code, log = static_profile._compile_child(program, tpu, work, [], 1800, 12.0)
         if code != 0:
             raise RuntimeError(f"the compile failed ({code}):\n{log[-2000:]}")
-        with open(os.path.join(work, "hlo.txt")) as f:
-            names = re.findall(r"^\s*(?:ROOT )?%(\S+) = ", f.read(), re.M)
-        ops = [n for n in names if n.split(".")[0] == kernel]
+        kernels = json.loads(static_profile._read(work, "meta.json"))["kernels"]
+        ops = [n for n in kernels if n.split(".")[0] == kernel]
         if not ops:
-            raise ValueError(f"no op named {kernel}.N in the compiled program: {sorted(names)}")
+            raise ValueError(f"no kernel named {kernel}.N in the compiled program: {kernels}")
         dump = os.path.join(work, "llo")
         flags = [
             f"--xla_jf_dump_to={dump}",

@@ -126,6 +126,12 @@ def level_pairs(C: int, level: int) -> jax.Array:
     return ((r >> (level + 1)) == (s >> (level + 1))) & ((r & h) != 0) & ((s & h) == 0)
 
 
+def halves_are_tiles(h: int) -> bool:
+    """A level of ``h``-row halves whose products may take the lower halves alone
+    (:func:`lower_rows`): they are whole sublane tiles."""
+    return h >= NUM_SUBLANES
+
+
 def lower_rows(x: jax.Array, h: int) -> jax.Array:
     """[U, C/2, N]: the rows of ``x`` [U, C, N] in the lower halves of its aligned ``2h``-row
     blocks, in order (``h >= 8``: whole sublane tiles, a reshape and a slice)."""
@@ -206,7 +212,7 @@ class Level:
         """``h`` when this is one level whose halves are whole sublane tiles (``h >= 8``): its
         products then take the lower-half rows alone (:func:`lower_rows`); else 0."""
         h = 1 << self.lo
-        return h if self.lower is not None and h >= NUM_SUBLANES else 0
+        return h if self.lower is not None and halves_are_tiles(h) else 0
 
     def pairs(self, C: int) -> jax.Array:
         """[C, C] bool: the pairs this level holds."""
@@ -410,7 +416,7 @@ def wy_inverse(A_kk: jax.Array, wy_eps: float, precision: MatmulPrecision) -> ja
     for level in range(1, n_levels(C)):
         h = 1 << level
         A_l = jnp.where(level_pairs(C, level), A_kk, ZERO)  # [U, C, C]
-        if h >= NUM_SUBLANES:
+        if halves_are_tiles(h):
             T_lo = lower_rows(T, h)  # [U, C/2, C]
             corr = mm(mm(T_lo, A_l, precision), T, precision)  # [U, C/2, C]
             T = with_lower_rows(T, T_lo - corr, h)
