@@ -318,6 +318,12 @@ class ChunkLocal:
         """γ_C as a column [U, K, 1], to scale the rows of a state."""
         return jnp.swapaxes(self.decay_C, 1, 2)
 
+    def rederived(self, q, k, v, w, b) -> ChunkLocal:
+        """These quantities with ``E, Z, Ē, Q̃, K̃`` formed again from ``q, k, v, w, b`` (the same
+        values, loaded again): the backward's pass 2 uses them, so that no ``[U, C, d]`` float32
+        product is held (spilled from registers to VMEM) from phase A until then."""
+        return dataclasses.replace(self, **_scaled_inputs(q, k, v, w, b, self.e_gamma, self.e_tail))
+
 
 def clamp_log_decay(g: jax.Array) -> jax.Array:
     """``max(g, G_FLOOR)``: -inf (forget entirely) becomes an exactly-zero decay (NaN stays NaN)."""
@@ -346,20 +352,27 @@ def chunk_local(
         whole = jnp.where(seg.last == 0, whole, MASKED)  # [U, 1, K]
     e_gamma = jnp.exp(to_entry)  # [U, C, K] <= 1
     e_tail = jnp.exp(to_end)  # [U, C, K] <= 1
-    E = b * k  # [U, C, K] F2
     return ChunkLocal(
         gamma_cum=gamma_cum,
         e_gamma=e_gamma,
         e_tail=e_tail,
         decay_C=jnp.exp(whole),
-        E=E,
-        Z=w * v,  # [U, C, V]
-        E_bar=e_gamma * E,  # F3
-        Q_tilde=e_gamma * q,
-        K_tilde=e_tail * k,
         levels=pair_decay(gamma_cum, seg)
         if scalar_decay
         else decay_levels(gamma_cum, g, seg, block),
+        **_scaled_inputs(q, k, v, w, b, e_gamma, e_tail),
+    )
+
+
+def _scaled_inputs(q, k, v, w, b, e_gamma, e_tail) -> dict[str, jax.Array]:
+    """F2, F3: the products of the inputs with each other and with the decays."""
+    E = b * k  # [U, C, K] F2
+    return dict(
+        E=E,
+        Z=w * v,  # [U, C, V]
+        E_bar=e_gamma * E,  # [U, C, K] F3
+        Q_tilde=e_gamma * q,  # [U, C, K]
+        K_tilde=e_tail * k,  # [U, C, K]
     )
 
 

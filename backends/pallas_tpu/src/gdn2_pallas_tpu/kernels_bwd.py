@@ -87,10 +87,14 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
     def _():
         r.dS[...] = r.dh_final[...]
 
-    q, k = (io.load_keys(x, K, head_group) for x in (r.q, r.k))  # [U, C, K]
-    b, g_raw = (blocks.load_gate(x, io, K, n) for n, x in (("b", r.b), ("g", r.g)))
-    v, dO = (vio.load(x, V) for x in (r.v, r.dO))  # [U, C, V]
-    w = blocks.load_gate(r.w, vio, V, "w")  # [U, C, V]
+    def inputs():
+        """The step's tiles as float32 units: q, k, b, g [U, C, K]; v, w, dO [U, C, V]."""
+        q, k = (io.load_keys(x, K, head_group) for x in (r.q, r.k))
+        b, g = (blocks.load_gate(x, io, K, n) for n, x in (("b", r.b), ("g", r.g)))
+        v, w, dO = vio.load(r.v, V), blocks.load_gate(r.w, vio, V, "w"), vio.load(r.dO, V)
+        return q, k, b, g, v, w, dO
+
+    q, k, b, g_raw, v, w, dO = inputs()
     g_in = g_raw
     if plan.fused:  # re-activate the raw inputs (nothing activated was saved)
         gp = None if r.gate_params is None else blocks.load_gate_params(r.gate_params, plan)
@@ -158,7 +162,13 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
     def _():
         r.dh0[...] = dS
 
-    # Pass 2: chunk-parallel gradients of all units.
+    # Pass 2: chunk-parallel gradients of all units. The inputs loaded again (and the products
+    # formed from them): a float32 copy held from phase A to here would be spilled from
+    # registers to VMEM, one store per vreg, in a step bound by its stores (docs/algorithm.md
+    # section 10). Activated inputs (plan.fused) are kept.
+    if not plan.fused:
+        q, k, b, g_in, v, w, dO = inputs()
+        L = L.rederived(q, k, v, w, b)
     S = blocks.stack_chunks(S_in, plan)  # [U, K, V] state entering the chunk
     R = blocks.stack_chunks(R_all, plan)  # [U, C, V]
     dS = blocks.stack_chunks(dS_out, plan)  # [U, K, V] w.r.t. the state leaving the chunk
