@@ -75,6 +75,22 @@ class ScalarGatesSpy(ReferenceBackend):
 
 
 register_backend(ScalarGatesSpy(), replace=True)
+
+
+class NarrowScalarGatesSpy(ScalarGatesSpy):
+    """The spy refusing value sizes but 4 and 8, so never context parallelism's widened dv + dk
+    = 12: it is called twice per shard (value sizes 4 and 8, ``value_sizes``)."""
+
+    name = "narrow_scalar_gates_spy_ref"
+    capabilities = ScalarGatesSpy.capabilities.model_copy(update={"dv": (4, 8)})
+    value_sizes: list = []  # noqa: RUF012
+
+    def forward(self, *args, spec, **kw):
+        NarrowScalarGatesSpy.value_sizes.append(spec.dv)
+        return super().forward(*args, spec=spec, **kw)
+
+
+register_backend(NarrowScalarGatesSpy(), replace=True)
 BACKENDS = [REF, "scan_baseline"]
 
 
@@ -129,8 +145,10 @@ def test_scalar_gates_reach_the_shards_as_they_are():
     """KDA's and GDN's scalar gates (w, b, g as ``(B, T, H)``) under batch (2) and head (4)
     sharding with packed sequences: each shard's backend call receives them unbroadcast, its
     ``(B / 2, T, H / 4)`` part; o, h_final and every gradient match the single-device
-    reference. Under context parallelism (whose per-shard calls widen the value axis) the core
-    broadcasts them, with the same results."""
+    reference. Under context parallelism (4 shards of time, 2 of batch) too: its one call per
+    shard widens the value axis to dv + dk, and w, which enters as ``w * v`` with ``v = 0`` on the
+    added columns, stays ``(B / 2, T / 4, H)`` there; so in the two calls per shard of a backend
+    that refuses the widened axis."""
     case = FeatureCase(B=2, T=24, H=4, dk=8, dv=4, rows=((3, 1, 9, 11), (12, 12)), seed=5)
     mesh = mesh_of((2, 4), ("x", "y"))
     x = _scalar_gates(make_feature_inputs(case))
@@ -148,7 +166,27 @@ def test_scalar_gates_reach_the_shards_as_they_are():
     ScalarGatesSpy.seen.clear()
     check_sharded(x, ScalarGatesSpy.name, mesh=mesh_of((4, 2), ("c", "d")), context_axis="c",
                   batch_axes="d")  # fmt: skip
-    assert ScalarGatesSpy.seen and {s[0] for s in ScalarGatesSpy.seen} == {()}
+    assert ScalarGatesSpy.seen, "the backend was not called"
+    assert set(ScalarGatesSpy.seen) == {(("w", "b", "g"), (1, 12, 1), (1, 12, 1), (1, 12, 1))}
+
+    ScalarGatesSpy.seen.clear()
+    NarrowScalarGatesSpy.value_sizes.clear()
+    check_sharded(x, NarrowScalarGatesSpy.name, mesh=mesh_of((4, 2), ("c", "d")),
+                  context_axis="c", batch_axes="d")  # fmt: skip
+    assert set(NarrowScalarGatesSpy.value_sizes) == {4, 8}, NarrowScalarGatesSpy.value_sizes
+    assert set(ScalarGatesSpy.seen) == {(("w", "b", "g"), (1, 12, 1), (1, 12, 1), (1, 12, 1))}
+
+
+def test_pallas_context_parallel_on_scalar_gates():
+    """pallas_tpu's kernels (TPU interpret mode) under context parallelism (2 shards of time,
+    2 of batch) on scalar gates: the widened call reads w, b, g as ``(B, T, H)`` blocks over its
+    dv + dk value columns; o, h_final and every gradient match the single-device reference."""
+    from gdn2core import KernelConfig
+
+    case = FeatureCase(B=2, T=64, H=1, dk=64, dv=64, rows=((5, 30, 29), (64,)), seed=6)
+    x = _scalar_gates(make_feature_inputs(case))
+    check_sharded(x, "pallas_tpu", config=KernelConfig(bt=16, interpret=True),
+                  mesh=mesh_of((2, 2), ("c", "d")), context_axis="c", batch_axes="d")  # fmt: skip
 
 
 class DecayDtypeSpy(ReferenceBackend):

@@ -65,11 +65,6 @@ def run_backend(
     user_h0 = h0
     view, inputs, h0, backend_extras = backend_inputs(backend, spec, args, h0, extras)
     plan = resolve_plan(view, placed, **sharding)
-    if plan is not None and plan.context_axis is not None and view.scalar_gates:
-        # context parallelism widens the value axis of its per-shard calls: full gates there
-        q, k, v, w, b, g = inputs
-        view, w, b, g = broadcast_gates(view, w, b, g)
-        inputs = (q, k, v, w, b, g)
     if plan is not None and view.key_groups > 1:  # and q, k repeated to the value heads
         q, k, v, w, b, g = inputs
         inputs = (*repeat_keys_of(q, k, view.key_groups), v, w, b, g)

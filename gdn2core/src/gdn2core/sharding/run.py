@@ -28,6 +28,11 @@ summaries with a leading axis of size ``P``; stage 2 (type-checked) holds every 
 Both make manual only the mesh axes the plan uses; other mesh axes stay automatic, so inputs
 replicated over them are neither gathered nor their gradients all-reduced.
 
+Scalar gates (``(B, T, H)``, KDA's and GDN's) reach the shards' calls as they are, context
+parallelism's too: b and g act on the key axis, which is not widened, and w enters only as
+``w * v``, with ``v = 0`` on the transition columns, so a scalar w needs no value there (and gets
+no gradient from them).
+
 Packed sequences (``segment_ids``): each shard's call gets its own slice of the ids, so resets
 inside a shard happen in the backend call (a reset zeroes the ``h0 = I`` columns too: the
 transition of a shard with a start inside is 0 from there on). A shard whose first token starts a
@@ -159,7 +164,7 @@ def sharded_call(
         stage1,
         mesh=plan.mesh,
         axis_names=plan.used_axes,
-        in_specs=(tok,) * 6 + reset_spec + tuple(specs),
+        in_specs=(tok, tok, tok, *gates, *reset_spec, *specs),
         out_specs=(tok, tok, summary, summary),
         check_vma=check_vma,
     )(q, k, v, w, b, g, *resets, *arrays)
@@ -253,12 +258,15 @@ def shard_summaries(
     eye = _vary(eye, axes)
     zeros_k = _vary(jnp.zeros((bl, tl, hl, dk), v.dtype), axes)
     zero_state = _vary(jnp.zeros((bl, hl, dk, dv), acc), axes)
+    # w enters only as w * v, and v = 0 on the transition columns: a scalar w (B, T, H) needs
+    # no columns of its own there (its gradient from them is 0), so it reaches the calls as is
+    scalar_w = w.ndim == 3
     if fused:
         spec2 = dataclasses.replace(local, dv=dv + dk)
         o2, s2 = fn(
             q, k,
             jnp.concatenate([v, zeros_k], axis=-1),
-            jnp.concatenate([w, zeros_k], axis=-1),
+            w if scalar_w else jnp.concatenate([w, zeros_k], axis=-1),
             b, g,
             jnp.concatenate([zero_state, eye], axis=-1),
             spec=spec2, config=config, **more,
@@ -266,7 +274,8 @@ def shard_summaries(
         return o2[..., :dv], o2[..., dv:], s2[..., :dv], s2[..., dv:]
     o0, b_p = fn(q, k, v, w, b, g, zero_state, spec=local, config=config, **more)
     spec_a = dataclasses.replace(local, dv=dk)
-    a, a_p = fn(q, k, zeros_k, zeros_k, b, g, eye, spec=spec_a, config=config, **more)
+    w_a = w if scalar_w else zeros_k
+    a, a_p = fn(q, k, zeros_k, w_a, b, g, eye, spec=spec_a, config=config, **more)
     return o0, a, b_p, a_p
 
 
