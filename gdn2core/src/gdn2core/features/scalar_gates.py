@@ -7,7 +7,8 @@ them). A backend that declares ``Capabilities.scalar_gates`` receives them so (i
 4 bytes per head and token, not ``d`` values, and write one gradient, not ``d``); for every other
 backend, and where the core itself needs the full arrays (the activations in XLA, the ``G * dv``
 value channels of grouped value heads), :func:`broadcast_gates` broadcasts them here, in XLA.
-Sharded calls hand each shard its part of them (context parallelism too: sharding/run.py). Either way the gradient of a scalar gate is the sum over its channels.
+Sharded calls hand each shard its part of them (context parallelism too: sharding/run.py).
+Either way the gradient of a scalar gate is the sum over its channels.
 """
 
 from __future__ import annotations
