@@ -6,7 +6,7 @@ reference in float32: o, h_final and every gradient (A_log and dt_bias included)
 ``sum(o * do) + sum(h_final * dh)``, with the kit's float32 tolerances. Two backends: the
 reference backend (packed sequences and fused activations, so the raw inputs, A_log and dt_bias
 are split per shard) and scan_baseline (packed sequences; the core applies the activations in
-XLA before the shards).
+XLA before the shards); pallas_tpu in interpret mode for context parallelism on scalar gates.
 """
 
 from __future__ import annotations
