@@ -113,6 +113,32 @@ def test_grouped_heads_and_fused_gates():
     assert rel_err(new, new_ref) < F32_TOL
 
 
+@pytest.mark.parametrize("gate_heads", [H, HV], ids=["key-head-gates", "value-head-gates"])
+def test_scalar_gates(gate_heads):
+    """KDA's and GDN's scalar gates, w ``(T, HV)``, b and g ``(T, Hg)`` (one value per head and
+    token), with leading decodes (the decode op) and a prefill after them: against each request
+    alone through the token-serial reference on the same values written out on every channel."""
+    x = tokens(T_MIX, seed=9, gate_heads=gate_heads)
+    scalar = tuple(a[..., 0] for a in x[3:])  # w, b, g: [T, heads]
+    full = tuple(
+        jnp.broadcast_to(a[..., None], y.shape) for a, y in zip(scalar, x[3:], strict=True)
+    )
+    pool = pool_of(seed=10)
+    lens, slots = [1, 1, 13, 7, 2, 3], [3, 5, 7, 0, -1, 11]
+    flags = [True, True, True, False, True, True]
+    kw = dict(cu_seqlens=cu_of(lens), state_indices=jnp.asarray(slots),
+              has_initial_state=jnp.asarray(flags), num_decodes=2, backend="jax_ref")  # fmt: skip
+    o_ref, new_ref = per_request((*x[:3], *full), pool, lens, slots, flags)
+    for gates in (scalar[:2] + full[2:], scalar):  # KDA's (w, b), GDN's (w, b, g)
+        o, new = gdn2_ragged(*x[:3], *gates, pool, **kw)
+        assert rel_err(o, o_ref) < F32_TOL
+        assert rel_err(new, new_ref) < F32_TOL
+    kw.pop("num_decodes"), kw.pop("backend")
+    o, new = gdn2_ragged_reference(*x[:3], *scalar, pool, **kw)
+    assert rel_err(o, o_ref) < 1e-6  # the same token step (test_reference_equals_...)
+    assert rel_err(new, new_ref) < 1e-6
+
+
 def test_bfloat16_pool_and_inputs():
     x, pool = tokens(T_MIX, seed=6, dtype=jnp.bfloat16), pool_of(seed=8, dtype=jnp.bfloat16)
     kw = dict(cu_seqlens=cu_of(LENS), state_indices=jnp.asarray(SLOTS),
@@ -271,6 +297,10 @@ def test_traced_invalid_slots_write_nothing_outside_their_own():
     ("change", "match"),
     [
         (dict(q=jnp.zeros((4, 2, 8, 1))), r"q: expected rank 3 \(T, H, dk\)"),
+        (dict(w=jnp.zeros((8,))), r"w: expected rank 3 \(T, HV, dv\) or rank 2 \(T, HV\)"),
+        (dict(w=jnp.zeros((8, 3))), r"w: expected shape \(T, HV\) = \(8, 4\), got \(8, 3\)"),
+        (dict(b=jnp.zeros((8, 3))), r"b: expected H=2 or HV=4 heads"),
+        (dict(g=jnp.zeros((7, 2))), r"g: expected shape \(T, H or HV\) = \(8, 2\)"),
         (dict(pool=jnp.zeros((P, HV, DK, 5))), r"pool: expected shape \(P, HV, dk, dv\)"),
         (
             dict(pool=jnp.zeros((P, HV, DK, DV), jnp.int32)),

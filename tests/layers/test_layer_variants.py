@@ -64,6 +64,36 @@ def test_layer_variant_is_the_recurrence(variant, key_head_gates):
     assert rel_err(jnp.concatenate(parts, axis=1), y) <= TOL
 
 
+@pytest.mark.parametrize(("variant", "g_rank"), [("kda", 4), ("gdn", 3)])
+def test_serving_hands_scalar_gates_to_the_ops(monkeypatch, variant, g_rank):
+    """From a cache, the prefill's chunked op and the decode op get beta (and GDN's decay) as the
+    operator's scalar gates, w ``(B, T, HV)`` and b ``(B, T, Hg)``, as the cacheless call does:
+    the prefill then runs the scalar-gate kernels of a backend that has them (the decode op
+    broadcasts them itself). Outputs: :func:`test_layer_variant_is_the_recurrence`."""
+    import gdn2core.layers.gdn2_layer as module
+
+    seen = []
+
+    def spy(name):
+        real = getattr(module, name)
+
+        def call(*args, **kw):
+            seen.append((name, tuple(a.ndim for a in args[3:6])))  # w, b, g
+            return real(*args, **kw)
+
+        return call
+
+    for name in ("gdn2_forward", "gdn2_decode"):
+        monkeypatch.setattr(module, name, spy(name))
+    layer = GDN2Layer(D, H, DK, num_v_heads=HV, variant=variant, backend="jax_ref",
+                      rngs=nnx.Rngs(0))  # fmt: skip
+    x = jax.random.normal(jax.random.PRNGKey(2), (2, 14, D))
+    cache = layer.init_cache(2)
+    _, cache = layer(x[:, :13], cache=cache)
+    layer(x[:, 13:], cache=cache)
+    assert seen == [("gdn2_forward", (3, 3, g_rank)), ("gdn2_decode", (3, 3, g_rank))]
+
+
 def test_variant_errors():
     with pytest.raises(ValueError, match=r"variant: expected one of \('gdn2', 'kda', 'gdn'\)"):
         GDN2Layer(D, H, DK, variant="deltanet", rngs=nnx.Rngs(0))

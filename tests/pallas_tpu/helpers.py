@@ -63,3 +63,19 @@ def ragged_tokens(t, seed, heads, value_heads, dk, dv, slots, padding_from=None)
         x = tuple(a.at[padding_from:].set(jnp.nan) for a in x)
     pool = 0.3 * jax.random.normal(ks[6], (slots, value_heads, dk, dv))
     return x, pool
+
+
+def decode_plans(monkeypatch) -> list:
+    """The plans of the decode kernel's calls from here on (a spy on ``decode_op.decode_call``),
+    in call order."""
+    import gdn2_pallas_tpu.decode_op as decode_op
+
+    plans = []
+    real = decode_op.decode_call
+
+    def spy(*args, plan, **kw):
+        plans.append(plan)
+        return real(*args, plan=plan, **kw)
+
+    monkeypatch.setattr(decode_op, "decode_call", spy)
+    return plans

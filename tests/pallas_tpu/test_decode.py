@@ -16,6 +16,7 @@ from gdn2_conformance import (
     assert_close,
     decode_reference_outputs,
     make_decode_inputs,
+    rel_err,
 )
 from gdn2_pallas_tpu.decode_plan import (
     MAX_TOKENS,
@@ -25,7 +26,15 @@ from gdn2_pallas_tpu.decode_plan import (
     vmem_bytes,
 )
 from gdn2_tools.tpu import compile_decode
-from gdn2core import DecodeSpec, KernelConfig, gdn2_decode, get_backend
+from gdn2core import (
+    DecodeSpec,
+    KernelConfig,
+    gdn2_decode,
+    gdn2_token_serial_reference,
+    get_backend,
+)
+
+from .helpers import decode_plans
 
 INTERPRET = KernelConfig(bt=16, interpret=True)
 
@@ -34,13 +43,15 @@ def _spec(N=8, S=1, HV=32, dk=128, dv=128, dtype="float32", pool="float32", stat
     return DecodeSpec(N, S, HV, HV // 2, HV, dk, dv, dtype, 0.1, N, pool, states, True)
 
 
-def test_head_block_holds_a_mebibyte_tiles_the_token_blocks_and_keeps_two_steps():
-    # d = 128: 64 KiB per head in float32: 16 heads (2 steps at N = 1); HV = 16 at N = 1 would be
-    # 1 step: 8 heads (2 steps)
-    assert head_block(_spec()) == 16 and 16 * 128 * 128 * 4 == STEP_STATE_BYTES
+def test_head_block_holds_two_mebibytes_tiles_the_token_blocks_and_keeps_two_steps():
+    # d = 128: 64 KiB per head in float32: 32 heads; at N = 1 that would be 1 step: 16 heads (2
+    # steps); HV = 16 at N = 1: 8 heads (2 steps)
+    assert head_block(_spec()) == 32 and 32 * 128 * 128 * 4 == STEP_STATE_BYTES
     assert head_block(_spec(N=1)) == 16
     assert head_block(_spec(N=1, HV=16)) == 8
     assert head_block(_spec(N=1, dtype="bfloat16")) == 16  # bfloat16 tokens tile by 16 heads
+    assert head_block(_spec(HV=64)) == 32  # at most MAX_HEADS_PER_STEP
+    assert head_block(_spec(dk=256, dv=256)) == 8  # 256 KiB a head: 8 heads, 2 MiB
     assert head_block(_spec(HV=4)) == 4  # all heads (a full dimension tiles)
     assert head_block(_spec(HV=32, dk=64, dv=64)) == 32  # 16 KiB a head: all 32
     assert head_block(_spec(HV=12)) == 12  # no multiple of 8 divides 12 but itself
@@ -49,8 +60,13 @@ def test_head_block_holds_a_mebibyte_tiles_the_token_blocks_and_keeps_two_steps(
 def test_plan_vmem_and_refusals():
     backend = get_backend("pallas_tpu")
     plan = make_decode_plan(_spec(), KernelConfig())
-    assert plan.grid() == (2, 8) and plan.hb == 16
-    assert vmem_bytes(plan)["total"] < 6 * 2**20
+    assert plan.grid() == (1, 8) and plan.hb == 32
+    assert vmem_bytes(plan)["total"] < 10 * 2**20
+    # 16 float32 token states of 32 heads would need ~76 MiB: 16 heads a step on a 64 MiB chip
+    # (38 MiB), 32 on a 128 MiB one (limit 112 MiB)
+    states = _spec(S=16, states=True)
+    assert make_decode_plan(states, KernelConfig(), 64 * 2**20).hb == 16
+    assert make_decode_plan(states, KernelConfig(), 128 * 2**20).hb == 32
     assert backend.supports_decode(_spec(), KernelConfig())
     too_long = backend.supports_decode(_spec(S=MAX_TOKENS + 1), KernelConfig())
     assert not too_long and "at most 128" in too_long.reason
@@ -123,6 +139,54 @@ def test_interpret_skipped_sequences_before_the_first_valid_one():
     assert np.asarray(pool)[kept].tobytes() == np.asarray(x.state)[kept].tobytes()
 
 
+#: The fused activations of the chunked op, in two calls (tests/core/test_decode.py's): the
+#: softplus gate with the L2 norm and sigmoids; the bounded gate with negative eigenvalues.
+ACTIVATIONS = {
+    "softplus": dict(
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_bw_sigmoid_in_kernel=True
+    ),
+    "lower-bound": dict(
+        use_gate_in_kernel=True, lower_bound=-3.0, use_bw_sigmoid_in_kernel=True,
+        allow_neg_eigval=True,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kw", list(ACTIVATIONS))
+@pytest.mark.parametrize(
+    "case",
+    [
+        DecodeCase(N=3, S=4, H=1, HV=4, dk=64, dv=64, P=6, b_max=2.0, seed=2),  # b, g: key heads
+        DecodeCase(N=2, S=1, H=2, HV=16, gate_heads=16, dk=64, dv=128, P=3, seed=3),
+    ],
+    ids=["gates-on-key-heads-S4", "gates-on-value-heads-S1"],
+)
+def test_interpret_applies_the_fused_activations_in_the_kernel(monkeypatch, case, kw):
+    """Raw inputs and the gate's parameters go to the kernel (the core applies nothing in XLA:
+    the plan it runs carries the activations), which applies them in VMEM: o and the states
+    against the token-serial reference of the chunked op (fla's activations token by token),
+    float32, 1e-5 relative (the kit's decode tolerance; a missing or misplaced activation is
+    O(1))."""
+    plans = decode_plans(monkeypatch)
+    kw = ACTIVATIONS[kw]
+    x = make_decode_inputs(case)
+    rng = np.random.default_rng(case.seed)
+    heads = x.b.shape[2]
+    params = {"A_log": jnp.asarray(rng.uniform(-1.0, 1.0, heads), jnp.float32)}
+    if kw.get("lower_bound") is None:
+        params["dt_bias"] = jnp.asarray(rng.normal(size=(heads, case.dk)), jnp.float32)
+    o, pool = gdn2_decode(
+        *x.args, x.state, state_indices=x.state_indices, config=INTERPRET, backend="pallas_tpu",
+        **kw, **params,
+    )  # fmt: skip
+    assert [p.activations is not None and p.gate for p in plans] == [True]
+    slots = np.asarray(x.state_indices)
+    with jax.default_matmul_precision("highest"):
+        o_ref, h_ref = gdn2_token_serial_reference(*x.args, h0=x.state[slots], **kw, **params)
+    assert rel_err(o, o_ref) <= 1e-5
+    assert rel_err(pool[slots], h_ref) <= 1e-5
+
+
 # --------------------------------------------------------------------------- deviceless compile
 
 
@@ -147,6 +211,19 @@ def test_decode_compiles_in_place(topology, dtype, pool, states):
     assert "tpu_custom_call" in text and "gdn2_decode" in text
     pool_bytes = 24 * 32 * 128 * 128 * jnp.dtype(pool).itemsize
     assert compiled.memory_analysis().temp_size_in_bytes < pool_bytes // 8
+
+
+def test_decode_compiles_with_the_activations_in_the_kernel():
+    """The layers' activations (L2 norm, sigmoids, softplus gate) on the decode kernel: one Mosaic
+    kernel, and no XLA op of the step computes an exponential or a square root (the activations
+    in XLA are such fusions: ``exponential``, ``rsqrt``/``sqrt`` in their bodies)."""
+    compiled = compile_decode(
+        "pallas_tpu", "v5e:1x1", 8, 1, 16, 32, 128, 128, "bfloat16", "bfloat16", gate="softplus"
+    )
+    text = compiled.as_text()
+    assert text.count('custom_call_target="tpu_custom_call"') == 1 and "gdn2_decode" in text
+    for op in ("exponential(", "rsqrt(", "sqrt(", "log-plus-one("):
+        assert op not in text, op
 
 
 def test_decode_compiles_with_x64(x64):

@@ -171,7 +171,8 @@ def test_the_race_detector_sees_a_repeated_slot_past_the_guard(races):
     plan = make_decode_plan(_spec(x), INTERPRET)
     slots = jnp.asarray([2, 1, 2], jnp.int32)
     with pytest.raises(Exception, match="RACE DETECTED"):
-        out = kernels_decode.decode_call(*x.args, x.state, slots, step_sources(slots), plan=plan)
+        sources = step_sources(slots)
+        out = kernels_decode.decode_call(*x.args, None, x.state, slots, sources, plan=plan)
         jax.block_until_ready(out)
     pltpu.reset_tpu_interpret_mode_state()
     _check(x, [2, 1, 2], *_backend_decode(x, [2, 1, 2]))

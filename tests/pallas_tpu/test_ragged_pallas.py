@@ -23,7 +23,7 @@ from gdn2_pallas_tpu.config import PallasTpuConfig
 from gdn2_tools.tpu import compile_for_tpu, topology_mesh
 from gdn2core import KernelConfig, gdn2_ragged, gdn2_ragged_reference
 
-from .helpers import ragged_tokens
+from .helpers import decode_plans, ragged_tokens
 
 H, HV, DK, DV, P = 1, 2, 64, 64, 12
 TOL = 5e-5
@@ -117,6 +117,33 @@ def test_pooled_forward_with_fused_gates_repeated_keys_and_races_detected():
     o, new = gdn2_ragged(
         *args, num_decodes=1, backend="pallas_tpu", config=config, **POOLED, **feats
     )
+    assert rel_err(o, o_ref) < TOL
+    assert rel_err(new, new_ref) < TOL
+
+
+@pytest.mark.parametrize("gate", ["softplus", "lower-bound"])
+def test_decodes_apply_the_fused_activations_in_the_decode_kernel(monkeypatch, gate):
+    """Decodes of 1, 3 and 2 tokens in rows of ``decode_len = 3`` (fillers in two rows) with the
+    layers' activations: the decode kernel gets the raw tokens and applies them (its plan carries
+    them; a filler's raw ``g = -inf`` activates to a decay of 1), against the token-serial ragged
+    reference; the prefill after them on the pooled forward."""
+    plans = decode_plans(monkeypatch)
+    x, pool = _tokens(24, seed=6)
+    ks = jax.random.split(jax.random.PRNGKey(7), 2)
+    feats = dict(use_qk_l2norm_in_kernel=True, use_bw_sigmoid_in_kernel=True,
+                 use_gate_in_kernel=True, A_log=jnp.log(jnp.array([0.5])))  # fmt: skip
+    if gate == "softplus":
+        feats["dt_bias"] = 0.1 * jax.random.normal(ks[0], (H, DK))
+    else:
+        feats.update(lower_bound=-2.0, allow_neg_eigval=True)
+    kw = dict(cu_seqlens=[0, 1, 4, 6, 20], state_indices=[2, 0, 7, 5],
+              has_initial_state=[True, True, False, True])  # fmt: skip
+    o_ref, new_ref = gdn2_ragged_reference(*x, pool, **kw, **feats)
+    o, new = gdn2_ragged(
+        *x, pool, num_decodes=3, decode_len=3, backend="pallas_tpu", config=INTERPRET, **kw,
+        **feats,
+    )  # fmt: skip
+    assert [p.activations is not None and p.gate for p in plans] == [True]
     assert rel_err(o, o_ref) < TOL
     assert rel_err(new, new_ref) < TOL
 

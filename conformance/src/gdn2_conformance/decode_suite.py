@@ -128,6 +128,22 @@ class DecodeTests:
         assert_close("h_final", np.asarray(outputs[1])[_slots(x)], h_fwd, "float32")
 
     @capability(Feature.DECODE)
+    def test_decode_scalar_gates(self, gdn2_target: Target):
+        """Scalar gates, one value per head and token without a channel axis (fla's beta, GDN's
+        decay): KDA's w ``(N, S, HV)`` and b ``(N, S, Hg)``, and GDN's g ``(N, S, Hg)`` too, on
+        key and on value heads, with a float32 and a bfloat16 pool: against the decode reference
+        on the same values written out on every channel."""
+        for spec in DECODE_CASES[1:3]:  # b, g on the key heads, then on the value heads
+            for pool_dtype in (jnp.float32, jnp.bfloat16):
+                x = make_decode_inputs(spec.build(gdn2_target), pool_dtype=pool_dtype)
+                for names in (("w", "b"), ("w", "b", "g")):
+                    scalar = {n: getattr(x, n)[..., 0] for n in names}  # [N, S, heads]
+                    full = {n: jnp.broadcast_to(a[..., None], getattr(x, n).shape)
+                            for n, a in scalar.items()}  # fmt: skip
+                    outputs = _decode(gdn2_target, dataclasses.replace(x, **scalar))
+                    _check_decode(dataclasses.replace(x, **full), "float32", outputs)
+
+    @capability(Feature.DECODE)
     def test_decode_bfloat16_pool(self, gdn2_target: Target):
         """A bfloat16 pool: float32 arithmetic from its values, rounded once when written back."""
         for spec in DECODE_CASES[:2]:

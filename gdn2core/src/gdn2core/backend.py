@@ -50,6 +50,9 @@ class Capabilities(BaseModel):
         fused_activations: it applies ``spec.activations`` itself to the raw inputs (with
             ``extras.A_log`` / ``extras.dt_bias``); otherwise the core applies them in XLA first.
         decode: whether it implements :meth:`Backend.decode` (:func:`gdn2core.gdn2_decode`).
+        decode_activations: its :meth:`Backend.decode` applies ``spec.activations`` itself to
+            the raw tokens (with ``extras``, a keyword passed only then); otherwise the core
+            applies them in XLA first and hands it activated tokens.
         chunk_states: whether it implements :meth:`Backend.forward_chunk_states`
             (``gdn2_forward(..., return_chunk_states=True)``).
         continued: its ``forward`` takes ``extras.continues`` with ``cu_seqlens`` (sequences
@@ -85,6 +88,7 @@ class Capabilities(BaseModel):
     varlen: bool = False
     fused_activations: bool = False
     decode: bool = False
+    decode_activations: bool = False
     chunk_states: bool = False
     continued: bool = False
     pooled: bool = False
@@ -346,19 +350,25 @@ class Backend(abc.ABC):
         return YES
 
     def decode(
-        self, q, k, v, w, b, g, state, slots, *, spec: DecodeSpec, config: KernelConfig
-    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        self, q, k, v, w, b, g, state, slots, *, spec: DecodeSpec, config: KernelConfig,
+        extras: OpExtras | None = None,
+    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:  # fmt: skip
         """``S`` new tokens of ``N`` sequences against a state pool (:func:`gdn2core.gdn2_decode`).
         Only called when ``capabilities.decode`` is True.
 
         Args:
             q, k, b, g: ``(N, S, HV, dk)``; v, w: ``(N, S, HV, dv)``: grouped value heads are
-                already expanded by the core (``spec.key_heads == spec.heads``).
+                already expanded by the core (``spec.key_heads == spec.heads``), scalar gates
+                broadcast. Raw when ``spec.activations.any`` (only for a backend with
+                ``capabilities.decode_activations``), else activated by the core.
             state: the pool ``(P, HV, dk, dv)`` in ``spec.state_dtype``.
             slots: ``(N,)`` int32: sequence n's slot, or -1: skip sequence n (read and write
                 nothing for it; its outputs are NaN). Non-negative slots are distinct.
             spec: the resolved decode spec.
             config: the kernel config.
+            extras: with ``spec.activations.any``: ``A_log`` ``(HV,)`` and ``dt_bias``
+                ``(HV, dk)`` of a fused gate, in the state dtype (None when absent); the
+                keyword is passed only then.
 
         Returns:
             ``(o, new_state, token_states)``: o ``(N, S, HV, dv)`` in v's dtype; the pool with the

@@ -78,7 +78,8 @@ class Program:
     value_gates: bool = False  # forward/train: b, g on the value heads (else on the key heads)
     pool_dtype: str = "float32"
     segments: bool = False  # forward/train: with segment_ids (packed sequences)
-    gate: str = ""  # forward/train: the fused gate, "softplus" or a lower bound ("-5"); "" none
+    gate: str = ""  # the fused gate, "softplus" or a lower bound ("-5"); "" none (decode: with
+    #   the q/k L2 norm and b/w sigmoids too, gdn2_tools.tpu.compile_decode)
     gates: str = ""  # forward/train: scalar gates as KDA ("kda": b, w) or GDN ("gdn": b, w, g)
     #   call the op (gdn2_tools.tpu.SCALAR_GATES); "" the per-channel gates of GDN-2
     decay_dtype: str = ""  # forward/train: g's dtype, "" the inputs' ("float32" beside bfloat16)
@@ -393,7 +394,7 @@ def _child_main(argv: Sequence[str]) -> int:
         compiled = compile_decode(
             program.backend, TOPOLOGIES[tpu], program.B, program.T, program.H,
             program.value_heads or program.H, program.dk, program.dv, program.dtype,
-            program.pool_dtype, config=config,
+            program.pool_dtype, config=config, gate=program.gate,
         )  # fmt: skip
     else:
         compiled = compile_op(

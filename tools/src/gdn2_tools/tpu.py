@@ -201,6 +201,7 @@ def compile_decode(
     token_states: bool = False,
     config: KernelConfig | None = None,
     decay_dtype: str | None = None,
+    gate: str = "",
 ):
     """Compile one decode step (``gdn2_decode`` with ``state_indices``, the pool donated, as a
     server runs it) for a TPU topology.
@@ -215,6 +216,8 @@ def compile_decode(
         token_states: also return the per-token states.
         config: the kernel config (None: the default).
         decay_dtype: g's dtype (None: ``dtype``; float32 beside bfloat16: a float32 log decay).
+        gate: ``""``, or a fused gate as for :func:`gate_keywords` (on the H heads of b and g)
+            with the layers' other activations: the q/k L2 norm and the b/w sigmoids.
 
     Returns:
         The compiled executable.
@@ -230,10 +233,14 @@ def compile_decode(
     idx = jax.ShapeDtypeStruct((N,), jnp.int32, sharding=rep)
     decay = jax.ShapeDtypeStruct(key.shape, jnp.dtype(decay_dtype or dtype), sharding=rep)
 
+    fused = gate_keywords(gate, H, dk)
+    if fused:
+        fused.update(use_qk_l2norm_in_kernel=True, use_bw_sigmoid_in_kernel=True)
+
     def step(q, k, v, w, b, g, state, state_indices):
         return gdn2_decode(
             q, k, v, w, b, g, state, state_indices=state_indices,
-            return_token_states=token_states, config=config, backend=backend,
+            return_token_states=token_states, config=config, backend=backend, **fused,
         )  # fmt: skip
 
     return compile_for_tpu(step, key, key, val, val, key, decay, pool, idx, donate_argnums=(6,))

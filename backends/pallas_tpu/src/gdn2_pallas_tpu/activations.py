@@ -110,19 +110,41 @@ def valid_rows(plan, step) -> jax.Array:
 def activate(q, k, b, w, g, gate_params, act, eps: float, valid) -> Activated:
     """Apply ``act`` (gdn2core.plugin.Activations) to raw [U, C, d] float32 inputs.
     ``gate_params`` [U, 2, K]: row 0 ``exp(A_log)``, row 1 ``dt_bias`` (None without a gate)."""
+    a = dt = None
+    if act.gate != "none":
+        a, dt, _ = _rate(gate_params)  # [U, 1, K]
+    x = _activated(q, k, b, w, g, a, dt, act, eps)
+    if act.gate != "none":
+        x = dataclasses.replace(x, g=jnp.where(valid, x.g, ZERO))
+    return x
+
+
+def activate_rows(q, k, b, w, g, gate_params, act, eps: float) -> Activated:
+    """:func:`activate` for rows: raw ``[R, d]`` float32 inputs, one row per head (the decode
+    kernel's token), and ``gate_params`` ``[2, R, K]`` (``exp(A_log)``, ``dt_bias`` of each
+    row's head; None without a gate). Two-dimensional, so that ``R`` rows of ``d`` channels fill
+    ``R / 8`` vregs (a ``[R, 1, d]`` unit form would take one vreg per row)."""
+    a = dt = None
+    if act.gate != "none":
+        e = gate_params[0]  # [R, K]
+        a, dt = jnp.minimum(jnp.maximum(e, RATE_MIN), RATE_MAX), gate_params[1]
+    return _activated(q, k, b, w, g, a, dt, act, eps)
+
+
+def _activated(q, k, b, w, g, a, dt, act, eps: float) -> Activated:
+    """The activations on inputs of any leading shape, channels last; ``a``, ``dt``: the clipped
+    rate and the bias, broadcastable to ``g`` (None without a gate)."""
     q_r = k_r = None
     if act.qk_l2norm:
-        q_r = jax.lax.rsqrt(jnp.sum(q * q, axis=2, keepdims=True) + eps)  # [U, C, 1]
-        k_r = jax.lax.rsqrt(jnp.sum(k * k, axis=2, keepdims=True) + eps)
+        q_r = jax.lax.rsqrt(jnp.sum(q * q, axis=-1, keepdims=True) + eps)  # [..., 1]
+        k_r = jax.lax.rsqrt(jnp.sum(k * k, axis=-1, keepdims=True) + eps)
         q, k = q * q_r, k * k_r
     if act.bw_sigmoid:
         b = _sigmoid(b) * (2.0 if act.neg_eigval else 1.0)
         w = _sigmoid(w)
     if act.gate != "none":
-        a, dt, _ = _rate(gate_params)  # [U, 1, K]
-        z = g + dt  # [U, C, K]
+        z = g + dt  # [..., K]
         g = -a * _softplus(z) if act.gate == "softplus" else act.lower_bound * _sigmoid(a * z)
-        g = jnp.where(valid, g, ZERO)
     return Activated(q, k, b, w, g, q_r, k_r)
 
 

@@ -93,6 +93,7 @@ class PallasTpuBackend(Backend):
         continued=True,
         fused_activations=True,
         decode=True,
+        decode_activations=True,
         chunk_states=True,
         pooled=True,
         scalar_gates=True,
@@ -224,9 +225,11 @@ class PallasTpuBackend(Backend):
         return Verdict(False, reason) if reason else YES
 
     def decode(
-        self, q, k, v, w, b, g, state, slots, *, spec: DecodeSpec, config: KernelConfig
-    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-        """The decode kernel, in place on the pool (see :meth:`gdn2core.plugin.Backend.decode`).
+        self, q, k, v, w, b, g, state, slots, *, spec: DecodeSpec, config: KernelConfig,
+        extras: OpExtras | None = None,
+    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:  # fmt: skip
+        """The decode kernel, in place on the pool (see :meth:`gdn2core.plugin.Backend.decode`);
+        with ``spec.activations`` it applies them to the raw inputs in VMEM.
 
         ``slots`` are sanitised here too (decode_op.py): called directly, with a slot out of
         range or named twice, the call skips those sequences as ``gdn2_decode`` would.
@@ -244,4 +247,7 @@ class PallasTpuBackend(Backend):
         if shape != (spec.n_seqs,):
             raise ValueError(f"slots: expected shape (N,) = ({spec.n_seqs},), got {shape}")
         plan = make_decode_plan(spec, config, vmem_capacity_bytes(q))
-        return gdn2_pallas_decode(q, k, v, w, b, g, state, slots, plan)
+        extras = OpExtras() if extras is None else extras
+        return gdn2_pallas_decode(
+            q, k, v, w, b, g, state, slots, plan, extras.A_log, extras.dt_bias
+        )

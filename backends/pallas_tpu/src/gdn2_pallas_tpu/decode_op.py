@@ -53,13 +53,28 @@ def step_sources(slots: jax.Array) -> jax.Array:
     return jnp.where(before >= 0, before, first).astype(jnp.int32)
 
 
+def gate_params(A_log, dt_bias, plan: DecodePlan) -> jax.Array | None:
+    """The fused gate's ``(HV / hb, 2, hb, K)`` float32 parameters, ``exp(A_log)`` and
+    ``dt_bias`` (zeros when absent), one contiguous ``(2, hb, K)`` block per head block (a
+    ``(2, hb, K)`` block of a ``(2, HV, K)`` array would be a strided DMA, which the TPU compiler's
+    static profile prices at 0 with the whole kernel); None without a fused gate."""
+    if not plan.gate:
+        return None
+    a = jnp.broadcast_to(jnp.exp(A_log.astype(jnp.float32))[:, None], (plan.heads, plan.dk))
+    dt = jnp.zeros_like(a) if dt_bias is None else dt_bias.astype(jnp.float32)
+    blocks = (plan.head_blocks, plan.hb, plan.dk)
+    return jnp.stack([a.reshape(blocks), dt.reshape(blocks)], axis=1)
+
+
 def gdn2_pallas_decode(
-    q, k, v, w, b, g, state, slots, plan: DecodePlan
+    q, k, v, w, b, g, state, slots, plan: DecodePlan, A_log=None, dt_bias=None
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """``(o, new_state, token_states | None)`` (see :meth:`gdn2core.plugin.Backend.decode`);
     ``slots`` ``(N,)`` integers of any value: each sequence's slot, or a skip (``-1``, out of
-    range, or named twice: module docstring)."""
+    range, or named twice: module docstring); ``A_log`` ``(HV,)``, ``dt_bias`` ``(HV, K)``: a
+    fused gate's parameters (``plan.gate``)."""
     slots = sanitize_slots(slots, plan.n_seqs, plan.pool_size)  # [N] int32, -1: skip
     call = functools.partial(decode_call, plan=plan)
-    outs = _on_tpu_only(call, plan, q, k, v, w, b, g, state, slots, step_sources(slots))
+    params = gate_params(A_log, dt_bias, plan)  # [HV / hb, 2, hb, K] f32, or None
+    outs = _on_tpu_only(call, plan, q, k, v, w, b, g, params, state, slots, step_sources(slots))
     return outs[0], outs[1], outs[2] if plan.token_states else None

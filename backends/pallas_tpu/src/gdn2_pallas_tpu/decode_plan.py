@@ -7,12 +7,18 @@ Pallas's pipeline reads the next step's block while a step computes; the step wr
 new state back by a DMA of its own as soon as it is computed, so the HBM traffic overlaps the
 compute both ways (kernels_decode.py).
 
-Block choice (static cycle estimate, ``gdn2 bench --decode --tpu``, HV = 32, d = 128, float32):
-about :data:`STEP_STATE_BYTES` of float32 state per step: at N = 8 on v5e 16 heads a step ran
-at 0.71x the HBM bound, 8 heads at 0.91x (the per-step overhead, about 0.35 us), 32 heads at
-0.69x (no better, twice the VMEM). But at least :data:`MIN_STEPS` steps: the first read of a
-call is not overlapped, and each head block waits for its last writes at its end; at N = 1 (every
-slot valid) 32 heads in 2 steps of 16 took 7.7 us, 4 steps of 8 8.7 us, 1 step of 32 8.5 us.
+Block choice (static cycle estimate, ``gdn2 bench --decode --tpu v5e,v6e --no-timing``, HV = 32,
+d = 128, float32 tokens): about :data:`STEP_STATE_BYTES` of float32 state per step, 32 heads of
+128 x 128. Against 16 heads (1 MiB, the choice until the kernel's reads and activations were
+cut): at N = 64 the kernel 202.9 -> 172.9 us (float32 pool) and 186.5 -> 154.4 us (bfloat16) on
+v5e, 196.1 -> 172.0 and 139.4 -> 111.0 us on v6e; at N = 8 26.4 -> 23.0 us (v5e, bfloat16):
+each grid step has a fixed cost (its scalar work and the latency of its first products), which
+fewer, larger steps pay less often. (8 heads a step were slower still.) But at least
+:data:`MIN_STEPS` steps: the first read of a call is not overlapped, and each head block waits
+for its last writes at its end; at N = 1 (every slot valid) 32 heads in 2 steps of 16 took
+7.7 us, 4 steps of 8 8.7 us, 1 step of 32 8.5 us (an earlier kernel). And fewer heads where a
+step's VMEM (:func:`vmem_bytes`) would exceed the planning share of the chip's: 16 float32 token
+states of 32 heads need about 76 MiB, so such a call takes 16 heads a step on a 64 MiB chip.
 ``hb`` is a divisor of HV that tiles the token blocks (a multiple of 8
 sublanes, 16 for bfloat16 inputs, or HV itself), at most :data:`MAX_HEADS_PER_STEP` (the head
 loop is unrolled).
@@ -22,12 +28,14 @@ written back (two buffers, by sequence parity), ``4 hb K V`` in the pool's dtype
 float32 working copy when the pool is bfloat16 and S > 1 (the state stays float32 across the
 tokens of a call); double-buffered token blocks ``2 S hb (4 K + 3 V)`` (a float32 ``g`` beside
 bfloat16 inputs: ``2 K`` more bytes); the token states ``2 S hb K V``; live float32 temporaries of
-one head (a few ``[K, V]``) and the transposed rows ``4 hb K``. At 16 heads of 128 x 128, float32, S = 1: about 4.4 MiB.
+one head (a few ``[K, V]``) and the transposed rows ``4 hb K``; with a fused gate its
+parameters ``2 hb 2 K`` float32. At 32 heads of 128 x 128, float32, S = 1: about 8.8 MiB.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Final
 
 import jax.numpy as jnp
@@ -43,10 +51,10 @@ from gdn2_pallas_tpu.plan import (
     vmem_capacity_bytes,
 )
 from gdn2_pallas_tpu.plan import vmem_limit as kernel_vmem_limit
-from gdn2core.plugin import DecodeSpec, KernelConfig
+from gdn2core.plugin import L2NORM_EPS, Activations, DecodeSpec, KernelConfig
 
-#: Float32 state bytes a grid step aims at (16 heads of 128 x 128; see the module docstring).
-STEP_STATE_BYTES: Final = 1024 * 1024
+#: Float32 state bytes a grid step aims at (32 heads of 128 x 128; see the module docstring).
+STEP_STATE_BYTES: Final = 2 * 1024 * 1024
 #: Grid steps a call should have at least (the first read does not overlap; module docstring).
 MIN_STEPS: Final = 2
 #: Heads of a step at most (the head loop is unrolled in the kernel).
@@ -74,6 +82,13 @@ class DecodePlan:
     vmem_limit_bytes: int
     interpret: InterpretMode | None  # None: compiled; else how interpret mode runs (config.py)
     float32_decay: bool = False  # g float32 beside bfloat16 inputs (DecodeSpec.float32_decay)
+    activations: Activations | None = None  # applied in the kernel (DecodeSpec.activations)
+    l2norm_eps: float = L2NORM_EPS
+
+    @property
+    def gate(self) -> bool:
+        """Whether the kernel takes the fused gate's parameters (``exp(A_log)``, ``dt_bias``)."""
+        return self.activations is not None and self.activations.gate != "none"
 
     @property
     def head_blocks(self) -> int:
@@ -115,10 +130,11 @@ def _sublanes(dtype: str) -> int:
     return NUM_SUBLANES * (4 // jnp.dtype(dtype).itemsize)
 
 
-def head_block(spec: DecodeSpec) -> int:
+def head_block(spec: DecodeSpec, fits: Callable[[int], bool] = lambda hb: True) -> int:
     """The heads of a step: among the divisors of HV that tile the token blocks (at most
     :data:`MAX_HEADS_PER_STEP`), the smallest with at least :data:`STEP_STATE_BYTES` of float32
-    state, or a smaller one while the call would have fewer than :data:`MIN_STEPS` steps."""
+    state, or a smaller one while the call would have fewer than :data:`MIN_STEPS` steps or
+    ``fits(hb)`` is false (its VMEM: :func:`make_decode_plan`)."""
     head_bytes = spec.dk * spec.dv * F32_BYTES
     tiling = [
         h
@@ -130,7 +146,7 @@ def head_block(spec: DecodeSpec) -> int:
     big = [h for h in tiling if h * head_bytes >= STEP_STATE_BYTES]
     hb = min(big) if big else max(tiling)
     smaller = [h for h in tiling if h < hb]
-    while smaller and spec.n_seqs * (spec.heads // hb) < MIN_STEPS:
+    while smaller and (spec.n_seqs * (spec.heads // hb) < MIN_STEPS or not fits(hb)):
         hb = smaller.pop()
     return hb
 
@@ -143,9 +159,10 @@ def vmem_bytes(plan: DecodePlan) -> dict[str, int]:
     tokens = 2 * S * hb * plan.token_bytes
     states = 2 * S * hb * K * V * plan.state_itemsize if plan.token_states else 0
     live = F32_BYTES * (6 * K * V + 8 * hb * max(K, V))
-    total = blocks + work + tokens + states + live
+    gate = 2 * hb * 2 * K * F32_BYTES if plan.gate else 0  # exp(A_log), dt_bias, double-buffered
+    total = blocks + work + tokens + states + live + gate
     return {"blocks": blocks, "work": work, "tokens": tokens, "token_states": states,
-            "live": live, "total": total}  # fmt: skip
+            "live": live, "gate": gate, "total": total}  # fmt: skip
 
 
 def vmem_limit(plan_bytes: int, capacity: int) -> int:
@@ -176,11 +193,15 @@ def make_decode_plan(
         pool_size=spec.pool_size,
         scale=float(spec.scale),
         token_states=spec.token_states,
-        hb=head_block(spec),
+        hb=spec.heads,
         vmem_limit_bytes=capacity,
         interpret=config.interpret_mode(),
         float32_decay=spec.float32_decay,
+        activations=spec.activations if spec.activations.any else None,
     )
+    budget = int(VMEM_PLAN_SHARE * capacity)  # fewer heads a step where more would not fit
+    fits = lambda hb: vmem_bytes(dataclasses.replace(plan, hb=hb))["total"] <= budget  # noqa: E731
+    plan = dataclasses.replace(plan, hb=head_block(spec, fits))
     limit = vmem_limit(vmem_bytes(plan)["total"], capacity)
     return dataclasses.replace(plan, vmem_limit_bytes=limit)
 
@@ -212,8 +233,9 @@ def check_decode_plan(spec: DecodeSpec, config: KernelConfig) -> str | None:
 
 def cost_decode(plan: DecodePlan) -> dict[str, int]:
     """``pl.CostEstimate`` of the decode call: per head and token, two reads of the state and its
-    update (``~10 K V`` flops on the VPU), ``K`` exponentials; the pool slots once each way, the
-    token blocks, o and the token states."""
+    update (``~10 K V`` flops on the VPU), ``K`` exponentials (and with fused activations about
+    ``3 K + V`` more: the sigmoids, the softplus, the norms' square roots); the pool slots once
+    each way, the token blocks, o and the token states."""
     K, V, S = plan.dk, plan.dv, plan.tokens
     unit_tokens = plan.n_seqs * plan.heads * S
     state = plan.n_seqs * plan.heads * K * V * plan.state_itemsize
@@ -222,6 +244,6 @@ def cost_decode(plan: DecodePlan) -> dict[str, int]:
         io += unit_tokens * K * V * plan.state_itemsize
     return {
         "flops": int(unit_tokens * 10 * K * V),
-        "transcendentals": int(unit_tokens * K),
+        "transcendentals": int(unit_tokens * (K + (3 * K + V if plan.activations else 0))),
         "bytes_accessed": int(io),
     }

@@ -25,6 +25,12 @@ used that buffer, and had all of step ``n - 1`` to finish); the last step of a h
 its own and step ``n - 1``'s. Starts and waits both test ``0 <= slots[n] < P``, so they pair up,
 and each named slot is read once and written once.
 
+Fused activations (``plan.activations``, the chunked op's ``use_*_in_kernel`` keywords): the
+token blocks hold the raw inputs, and each token's rows are activated in VMEM first, in float32,
+by the chunked kernels' own functions (activations.activate_rows, on the ``[hb, d]`` rows: one
+per head), with the gate's ``(2, hb, K)`` parameters (``exp(A_log)``, ``dt_bias``) of the step's
+heads, fetched once per head block (their block index does not change along the sequences).
+
 Per token, with the decay folded into the read vectors (``d = exp(g)``; the form of
 ``gdn2_jax_ref.decode``)::
 
@@ -62,6 +68,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from gdn2_pallas_tpu import activations as act
 from gdn2_pallas_tpu import refs
 from gdn2_pallas_tpu.blocks import I0, hbm_any, interpret_params
 from gdn2_pallas_tpu.decode_plan import DecodePlan, cost_decode
@@ -86,6 +93,7 @@ class DecodeRefs:
     w: object
     b: object  # [S, hb, K]
     g: object
+    gate_params: object | None  # [2, hb, K] f32 exp(A_log), dt_bias of a fused gate (plan.gate)
     state_in: object  # [hb, K, V] pool dtype: the mapped slot's heads, as read (pipelined)
     o: object  # [S, hb, V]
     state_out: object  # [P, HV, K, V] pool dtype, HBM: the pool (aliased), written by DMAs
@@ -106,6 +114,11 @@ def _state_index(head_block, seq, slots_ref, sources_ref, *, pool_size: int):
     into the pool: slot 0 when no sequence is valid)."""
     slot = slots_ref[sources_ref[seq]]
     return (jnp.clip(slot, I0, np.int32(pool_size - 1)), head_block, I0, I0)
+
+
+def _head_block_index(head_block, seq, slots_ref, sources_ref):
+    """The ``(2, hb, K)`` gate parameters of a step's heads (the same for every sequence)."""
+    return (head_block, I0, I0, I0)
 
 
 def _token_state_index(head_block, seq, slots_ref, sources_ref):
@@ -214,6 +227,10 @@ def _decode_token(
     ``MatmulPrecision.F32``."""
     q, k, b, g = (x[s].astype(F32) for x in (r.q, r.k, r.b, r.g))  # [hb, K]
     v, w = (x[s].astype(F32) for x in (r.v, r.w))  # [hb, V]
+    if plan.activations is not None:  # raw -> activated, as the chunked kernels (activations.py)
+        gp = None if r.gate_params is None else r.gate_params[...]  # [2, hb, K]
+        x = act.activate_rows(q, k, b, w, g, gp, plan.activations, plan.l2norm_eps)
+        q, k, b, w, g = x.q, x.k, x.b, x.w, x.g  # [hb, d]
     K = plan.dk
     d = jnp.exp(g)  # [hb, K]
     cols = jnp.swapaxes(jnp.stack([d, k]), 1, 2)  # [2, K, hb]: head h's d and k in lane h
@@ -258,10 +275,12 @@ def _read_bf16(rows: jax.Array, S: jax.Array) -> jax.Array:
     return out[0:2] + out[2:4] + out[4:6]  # [2, V]
 
 
-def decode_call(q, k, v, w, b, g, state, slots, sources, *, plan: DecodePlan):
-    """Tokens ``(N, S, HV, d)``, the pool ``(P, HV, K, V)``, ``slots`` and ``sources`` ``(N,)``
-    int32 -> ``(o, new_pool)``, plus the token states ``(N, S, HV, K, V)`` when
-    ``plan.token_states``. The pool is updated in place when the caller donates it.
+def decode_call(q, k, v, w, b, g, gate_params, state, slots, sources, *, plan: DecodePlan):
+    """Tokens ``(N, S, HV, d)`` (raw with ``plan.activations``), the fused gate's parameters
+    ``(HV / hb, 2, hb, K)`` float32 (None without one: ``plan.gate``; decode_op.gate_params),
+    the pool ``(P, HV, K, V)``, ``slots`` and ``sources`` ``(N,)`` int32 -> ``(o, new_pool)``,
+    plus the token states ``(N, S, HV, K, V)`` when ``plan.token_states``. The pool is updated
+    in place when the caller donates it.
 
     ``slots``: each sequence's slot or ``-1``, no slot in ``[0, P)`` twice (two sequences on one
     slot would race; ``decode_op.gdn2_pallas_decode`` sanitises them; a slot out of range is
@@ -280,6 +299,11 @@ def decode_call(q, k, v, w, b, g, state, slots, sources, *, plan: DecodePlan):
         refs.Input("w", vals, w),
         refs.Input("b", keys, b),
         refs.Input("g", keys, g),
+        refs.Input(
+            "gate_params",
+            pl.BlockSpec((None, 2, hb, K), _head_block_index),
+            gate_params if plan.gate else None,
+        ),
         refs.Input("state_in", pool, state),
         refs.Output("o", vals, jax.ShapeDtypeStruct((plan.n_seqs, S, plan.heads, V), v.dtype)),
         refs.Output("state_out", hbm_any(), jax.ShapeDtypeStruct(state.shape, state.dtype)),

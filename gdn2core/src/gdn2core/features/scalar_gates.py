@@ -9,6 +9,10 @@ backend, and where the core itself needs the full arrays (the activations in XLA
 value channels of grouped value heads), :func:`broadcast_gates` broadcasts them here, in XLA.
 Sharded calls hand each shard its part of them (context parallelism too: sharding/run.py).
 Either way the gradient of a scalar gate is the sum over its channels.
+
+``gdn2_decode`` and ``gdn2_ragged`` take them the same way (``DecodeSpec.scalar_gates``, ``(N, S,
+heads)``; ``RaggedSpec.scalar_gates``, ``(T, heads)``) and broadcast them before every backend
+(their kernels take full gates: gdn2core.ops.decode.api says why).
 """
 
 from __future__ import annotations
@@ -19,17 +23,21 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from gdn2core.ops.decode.spec import DecodeSpec
 from gdn2core.ops.forward.spec import SCALAR_GATE_NAMES, OpSpec
+from gdn2core.ops.ragged.spec import RaggedSpec
 
 
-def broadcast_gates(
-    spec: OpSpec, w: jax.Array, b: jax.Array, g: jax.Array, names: Sequence[str] | None = None
-) -> tuple[OpSpec, jax.Array, jax.Array, jax.Array]:
+def broadcast_gates[Spec: (OpSpec, DecodeSpec, RaggedSpec)](
+    spec: Spec, w: jax.Array, b: jax.Array, g: jax.Array, names: Sequence[str] | None = None
+) -> tuple[Spec, jax.Array, jax.Array, jax.Array]:
     """Broadcast scalar gates to their channels.
 
     Args:
         spec: the spec the gates belong to (``spec.scalar_gates`` names the scalar ones); the
             spec of the call the backend receives when its heads differ (grouped value heads).
+            A decode call's spec likewise, its ``(N, S, ...)`` gates as ``(B, T, ...)``, and a
+            ragged call's, its flat ``(T, ...)`` gates without the batch axis.
         w: ``(B, T, HV)`` when scalar, else ``(B, T, HV, dv)``.
         b, g: ``(B, T, Hg)`` when scalar, else ``(B, T, Hg, dk)``.
         names: the gates to broadcast (None: every scalar one).

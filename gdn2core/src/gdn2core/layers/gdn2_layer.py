@@ -235,9 +235,10 @@ class GDN2Layer(nnx.Module):
         variant: ``"gdn2"``; ``"kda"`` (Kimi Delta Attention: ``b_proj`` gives one beta per
             head, the erase and write gates both, no ``w_proj``); ``"gdn"`` (Gated DeltaNet:
             beta as KDA's and ``f_proj`` one decay per head, ``dt_bias`` ``(Hg,)``). The same
-            operator call, the scalars as its scalar gates (broadcast for the cache's decode
-            steps; docs/operator.md, section KDA and GDN). ``lift_b`` is GDN-2's alone (fla's ``allow_neg_eigval`` doubles KDA's one
-            beta, erase and write, which the fused activations do not express).
+            operator call, the scalars as its scalar gates (the decode op broadcasts them, and
+            so does the ragged path; docs/operator.md, section KDA and GDN). ``lift_b`` is
+            GDN-2's alone (fla's ``allow_neg_eigval`` doubles KDA's one beta, erase and write,
+            which the fused activations do not express).
         conv_size: kernel size of the short causal convolution on q, k, v (0 disables it).
         lift_b: erase gate in (0, 2) instead of (0, 1) (allows negative eigenvalues).
         backend: gdn2 backend name or "auto" (see ``gdn2 info``).
@@ -717,15 +718,16 @@ class GDN2Layer(nnx.Module):
     def _serve(
         self, x: jax.Array, cache: GDN2Cache, decode: bool | None
     ) -> tuple[jax.Array, GDN2Cache]:
-        xs, (cq, ck, cv) = self._inputs(x, None, cache)
+        xs, (cq, ck, cv) = self._inputs(x, None, cache, scalar=True)  # KDA's, GDN's scalar gates
         state = cache.state
-        fused = self.fused_options()
         if decode if decode is not None else x.shape[1] == 1:
             o, state = gdn2_decode(
-                *xs, state, scale=self.scale, config=self.config, backend=self.backend, **fused
-            )
+                *xs, state, scale=self.scale, config=self.config, backend=self.backend,
+                **self.fused_options(),
+            )  # fmt: skip
         else:
             h0 = state.astype(jnp.promote_types(state.dtype, jnp.float32))  # bf16 -> f32; f64 kept
+            fused = self.fused_options(per_head_bias=True)
             o, h_final = gdn2_forward(*xs, self.scale, h0, self.config, self.backend, **fused)
             state = h_final.astype(state.dtype)
         return self._output(x, o), GDN2Cache(cq, ck, cv, state)

@@ -16,7 +16,9 @@ step's o and of the final states (what serving with a bfloat16 pool costs).
 ``--tpu v5e,v6e``: for backends that run on a TPU, the kernels' static cycle estimate from a
 deviceless compile (:mod:`gdn2_tools.static_profile`, XLA's memory-space assignment off so that
 the profiler models the scalar-prefetch copies), next to the time to read and write the named
-slots once at the chip's HBM bandwidth. Compile-time analysis, not a measurement.
+slots once at the chip's HBM bandwidth. Compile-time analysis, not a measurement. ``--gate
+softplus`` (or a lower bound, ``--gate -5``) compiles the step with the layers' fused activations
+(that gate, the q/k L2 norm, the b/w sigmoids), as a GDN or KDA layer's decode runs it.
 """
 
 from __future__ import annotations
@@ -72,6 +74,11 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--drift-steps", type=int, default=256, help="0 skips the drift measurement")
     p.add_argument("--tpu", default="", help="e.g. v5e,v6e: static cycle estimates (libtpu)")
     p.add_argument("--no-timing", action="store_true", help="only the --tpu estimates")
+    p.add_argument(
+        "--gate", default="",
+        help="--tpu: the layers' fused activations on the step, with this gate: 'softplus' or a "
+        "lower bound ('-5'), plus the q/k L2 norm and the b/w sigmoids; default none",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="report folder")
     args = p.parse_args(list(argv))
@@ -86,6 +93,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         p.error(f"--tpu: expected {sorted(HBM_BYTES_PER_S)}, got {bad}")
     if args.value_heads % args.heads:
         p.error(f"--value-heads {args.value_heads} must be a multiple of --heads {args.heads}")
+    if args.gate and not args.tpu:
+        p.error(f"--gate {args.gate}: applies to the --tpu estimates; add --tpu")
     if args.repeats < 1 or min(args.sizes, default=0) < 1:
         p.error("--repeats and every --sizes entry must be >= 1")
     return args
@@ -253,7 +262,9 @@ def drift(row: str, shape: DecodeShape, dtype: str, steps: int, seed: int) -> di
     return {"steps": steps, "o": rel_err(o, o_ref), "state": rel_err(pool, pool_ref)}
 
 
-def static_rows(rows: Sequence[str], shape: DecodeShape, dtype: str, pool_dtype: str, tpu: str):
+def static_rows(
+    rows: Sequence[str], shape: DecodeShape, dtype: str, pool_dtype: str, tpu: str, gate: str = ""
+):
     """The static cycle estimate of each TPU backend's decode kernels at ``shape`` on ``tpu``.
 
     Args:
@@ -262,6 +273,7 @@ def static_rows(rows: Sequence[str], shape: DecodeShape, dtype: str, pool_dtype:
         dtype: the token dtype.
         pool_dtype: the pool dtype.
         tpu: ``"v5e"`` or ``"v6e"``.
+        gate: ``--gate``: the fused activations with this gate, or ``""`` (none).
 
     Returns:
         JSON-ready dicts: kernel time, the XLA ops' time (index handling) where profiled, the
@@ -281,12 +293,13 @@ def static_rows(rows: Sequence[str], shape: DecodeShape, dtype: str, pool_dtype:
             continue
         program = Program(
             name, "decode", shape.N, shape.S, shape.H, shape.dk, shape.dv, dtype,
-            value_heads=shape.HV, pool_dtype=pool_dtype,
+            value_heads=shape.HV, pool_dtype=pool_dtype, gate=gate,
         )  # fmt: skip
         kernels = estimate(program, tpu, xla_ops=False, extra_flags=[NO_MSA_FLAG])
         xla = estimate(program, tpu, kernels=False, extra_flags=[NO_MSA_FLAG])
         row = {"backend": name, "tpu": tpu, "shape": dataclasses.asdict(shape),
-               "dtype": dtype, "pool_dtype": pool_dtype, "bound_us": bound_us, "label": LABEL}  # fmt: skip
+               "dtype": dtype, "pool_dtype": pool_dtype, "bound_us": bound_us, "label": LABEL,
+               "gate": gate}  # fmt: skip
         error = kernels.error or xla.error
         if error:
             row["error"] = error
@@ -350,8 +363,9 @@ def _markdown(results: dict[str, Any]) -> str:
                 )
                 ratio = f"{r['kernel_ratio']:.2f}" if "kernel_ratio" in r else "-"
                 cells = [kernel, xla, f"{r['bound_us']:.2f}", ratio, f"{r['total_ratio']:.2f}"]
+            gate = f" (activations, {r['gate']} gate)" if r.get("gate") else ""
             lines.append(
-                f"| {r['tpu']} | {s.label} | {r['pool_dtype']} | {r['backend']} | "
+                f"| {r['tpu']} | {s.label} | {r['pool_dtype']} | {r['backend']}{gate} | "
                 + " | ".join(cells)
                 + " |"
             )
@@ -405,7 +419,8 @@ def decode_main(argv: Sequence[str]) -> int:
     for tpu in args.tpu:
         for shape in shapes:
             for pool_dtype in args.pool_dtypes:
-                for r in static_rows(rows + list(skipped), shape, args.dtype, pool_dtype, tpu):
+                candidates = rows + list(skipped)
+                for r in static_rows(candidates, shape, args.dtype, pool_dtype, tpu, args.gate):
                     results["static"].append(r)
                     print(
                         f"{tpu} {shape.label} {pool_dtype} {r['backend']}: "

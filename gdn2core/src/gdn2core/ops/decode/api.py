@@ -10,13 +10,25 @@ every other slot unchanged, bit for bit. The contract is the decode section of
 
 The core validates the call (:class:`~gdn2core.ops.decode.spec.DecodeSpec`), resolves grouped value
 heads (q, k and H-headed b, g are repeated to the HV value heads: tiny token arrays, while the
-pool, the traffic that bounds a decode step, is untouched), turns the indices into the slots a
-backend receives (:func:`~gdn2core.ops.decode.spec.sanitize_slots`) and runs the backend's
-:meth:`~gdn2core.plugin.Backend.decode`. The fused activations of the chunked op (gate, q/k L2
-norm, b/w sigmoids; the same keywords as :func:`gdn2core.gdn2_forward`) are applied by the core
-in XLA before the backend's decode (:func:`gdn2core.features.activations.apply_activations`, the
-path of the chunked op for backends that do not fuse them); a decode backend sees activated
-inputs.
+pool, the traffic that bounds a decode step, is untouched), broadcasts scalar gates (one value
+per head and token, as KDA's and GDN's beta and GDN's decay) to their channels, turns the indices
+into the slots a backend receives (:func:`~gdn2core.ops.decode.spec.sanitize_slots`) and runs the
+backend's :meth:`~gdn2core.plugin.Backend.decode`. The fused activations of the chunked op (gate,
+q/k L2 norm, b/w sigmoids; the same keywords as :func:`gdn2core.gdn2_forward`) are applied by the
+core in XLA before the backend's decode
+(:func:`gdn2core.features.activations.apply_activations`, the path of the chunked op for
+backends that do not fuse them), unless the backend declares ``Capabilities.decode_activations``:
+then its decode gets the raw inputs, the resolved spec's ``activations`` and the gate's
+parameters per value head (``extras``, :func:`decode_extras`), and applies them itself
+(pallas_tpu: in VMEM, which saves the step the small XLA ops of the activations; TPU compiler
+estimate: ``gdn2 bench --decode --tpu v5e --no-timing --gate softplus``, docs/results.md).
+
+Scalar gates reach the decode backends broadcast, unlike the chunked op's: a decode step's gate
+bytes are small beside its pool slots, and the pallas_tpu decode kernel reading them as
+``(N, HV, S)`` columns and broadcasting them in VMEM was estimated slower than this (TPU
+compiler's static estimate, v5e, N = 8, S = 1, HV = 32, d = 128, bfloat16 pool, GDN's three scalar
+gates: kernel 23.65 against 23.06 us, the step's XLA ops 8.76 against 8.69 us, the gates'
+relayout costing as much as their broadcast; N = 64: kernel 164.6 against 159.9 us).
 """
 
 from __future__ import annotations
@@ -25,13 +37,15 @@ import dataclasses
 from typing import Unpack
 
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from gdn2core.checks import is_float32_decay
+from gdn2core.checks import is_float32_decay, state_dtype
 from gdn2core.config import DEFAULT_CONFIG, KernelConfig
 from gdn2core.features.activations import apply_activations, check_gate_params
+from gdn2core.features.scalar_gates import broadcast_gates
 from gdn2core.ops.decode.spec import DecodeSpec, backend_decay, expand_heads, sanitize_slots
-from gdn2core.options import FeatureArgs, Features
+from gdn2core.options import FeatureArgs, Features, OpExtras
 from gdn2core.platform import call_platform
 from gdn2core.selection import AUTO, resolve_decode_backend
 
@@ -66,9 +80,9 @@ def gdn2_decode(
     q: Float[Array, "N S H dk"],
     k: Float[Array, "N S H dk"],
     v: Float[Array, "N S HV dv"],
-    w: Float[Array, "N S HV dv"],
-    b: Float[Array, "N S Hg dk"],
-    g: Float[Array, "N S Hg dk"],
+    w: Float[Array, "N S HV dv"] | Float[Array, "N S HV"],
+    b: Float[Array, "N S Hg dk"] | Float[Array, "N S Hg"],
+    g: Float[Array, "N S Hg dk"] | Float[Array, "N S Hg"],
     state: Float[Array, "P HV dk dv"],
     *,
     state_indices: Int[Array, " N"] | None = None,
@@ -88,7 +102,11 @@ def gdn2_decode(
         q, k: ``(N, S, H, dk)``: query and key of the new tokens.
         v, w: ``(N, S, HV, dv)``: value and write gate; ``HV`` a multiple of ``H`` (grouped value
             heads: value head ``j`` reads key head ``j // (HV / H)``).
-        b, g: ``(N, S, H, dk)`` or ``(N, S, HV, dk)``: erase gate and log decay. The six share one
+        b, g: ``(N, S, H, dk)`` or ``(N, S, HV, dk)``: erase gate and log decay. Scalar gates
+            (KDA's and GDN's beta, GDN's decay) may come without their channel axis, w
+            ``(N, S, HV)`` and b, g ``(N, S, H or HV)``: the same value on every channel; the
+            core broadcasts them to their channels before the backend (docs/operator.md,
+            decode). The six share one
             floating dtype (float32, bfloat16 or float64), but g may be float32 beside bfloat16
             inputs (fla's layers compute the log decay in float32): kept so by a backend with
             ``Capabilities.float32_decay``, else rounded to bfloat16 by the core first.
@@ -149,20 +167,36 @@ def gdn2_decode(
         q, k, v, w, b, g, state, state_indices, scale, return_token_states, config, backend,
         parsed,
     )  # fmt: skip
-    if activations.any:  # an activated g is float32 beside bfloat16 inputs (apply_activations)
-        extras = parsed.extras
+    _, w, b, g = broadcast_gates(spec, w, b, g)  # scalar gates to their channels (module docstring)
+    extras = parsed.extras
+    fused = activations.any and chosen.capabilities.decode_activations
+    if activations.any and not fused:  # an activated g is float32 beside bfloat16 inputs
         q, k, w, b, g = apply_activations(activations, q, k, w, b, g, extras.A_log, extras.dt_bias)
         resolved = dataclasses.replace(resolved, float32_decay=is_float32_decay(g.dtype, q.dtype))
     slots = sanitize_slots(state_indices, spec.n_seqs, spec.pool_size)
     resolved, g = backend_decay(resolved, g, chosen.capabilities.float32_decay)
     xs = [expand_heads(x, spec.heads) for x in (q, k)]
     gates = [expand_heads(x, spec.heads) for x in (b, g)]
+    more = {}  # the raw inputs and the gate's parameters, for a backend that fuses them
+    if fused:
+        resolved = dataclasses.replace(resolved, activations=activations)
+        more["extras"] = decode_extras(extras, spec.heads, state_dtype(q.dtype))
     o, new_state, token_states = chosen.decode(
-        *xs, v, w, *gates, state, slots, spec=resolved, config=config
+        *xs, v, w, *gates, state, slots, spec=resolved, config=config, **more
     )
     if return_token_states:
         return o, new_state, token_states
     return o, new_state
+
+
+def decode_extras(extras: OpExtras, heads: int, dtype) -> OpExtras:
+    """The fused gate's ``A_log`` ``(HV,)`` and ``dt_bias`` ``(HV, dk)`` in ``dtype`` (the state
+    dtype), repeated from the gate heads to the ``HV`` heads as b and g are (None when absent)."""
+
+    def per_head(x):
+        return None if x is None else jnp.repeat(x, heads // x.shape[0], axis=0).astype(dtype)
+
+    return OpExtras(A_log=per_head(extras.A_log), dt_bias=per_head(extras.dt_bias))
 
 
 def which_decode_backend(

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from gdn2core.checks import state_dtype
+from gdn2core.features.scalar_gates import broadcast_gates
 from gdn2core.ops.decode.spec import DecodeSpec, expand_heads, sanitize_slots
 from gdn2core.ops.forward.reference import token_step
 
@@ -23,9 +24,9 @@ def gdn2_decode_reference(
     q: Float[Array, "N S H dk"],
     k: Float[Array, "N S H dk"],
     v: Float[Array, "N S HV dv"],
-    w: Float[Array, "N S HV dv"],
-    b: Float[Array, "N S Hg dk"],
-    g: Float[Array, "N S Hg dk"],
+    w: Float[Array, "N S HV dv"] | Float[Array, "N S HV"],
+    b: Float[Array, "N S Hg dk"] | Float[Array, "N S Hg"],
+    g: Float[Array, "N S Hg dk"] | Float[Array, "N S Hg"],
     state: Float[Array, "P HV dk dv"],
     state_indices: Int[Array, " N"] | None = None,
     scale: float | None = None,
@@ -48,6 +49,7 @@ def gdn2_decode_reference(
     spec = DecodeSpec.from_inputs(
         q, k, v, w, b, g, state, state_indices, scale, return_token_states
     )
+    spec, w, b, g = broadcast_gates(spec, w, b, g)  # scalar gates: the same on every channel
     acc = state_dtype(q.dtype)
     slots = sanitize_slots(state_indices, spec.n_seqs, spec.pool_size)  # [N] int32, -1: skip
     valid = slots >= 0

@@ -2,9 +2,11 @@
 
 The contract is the decode section of ``docs/operator.md``: ``N`` sequences of ``S`` new tokens
 each; q, k ``(N, S, H, dk)``; v, w ``(N, S, HV, dv)`` with ``HV`` a multiple of ``H`` (grouped
-value heads: value head ``j`` reads key head ``j // (HV / H)``); b, g ``(N, S, H or HV, dk)``, one
-dtype for all six but a float32 ``g`` beside bfloat16 inputs (kept so for a backend that takes
-it, :func:`backend_decay`); the state pool ``(P, HV, dk, dv)`` in float32 or bfloat16 (float64
+value heads: value head ``j`` reads key head ``j // (HV / H)``); b, g ``(N, S, H or HV, dk)``
+(scalar gates, one value per head and token as KDA's beta and GDN's beta and decay: w ``(N, S,
+HV)``, b, g ``(N, S, H or HV)``; ``DecodeSpec.scalar_gates`` names them), one dtype for all six
+but a float32 ``g`` beside bfloat16 inputs (kept so for a backend that takes it,
+:func:`backend_decay`); the state pool ``(P, HV, dk, dv)`` in float32 or bfloat16 (float64
 too for float64 inputs); optional ``state_indices (N,)``, integers (an array, or a list) naming
 each sequence's slot of the pool.
 """
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdn2core.checks import check_scale, check_token_dtypes
-from gdn2core.options import as_index_array
+from gdn2core.options import NO_ACTIVATIONS, Activations, as_index_array
 
 #: Sequences up to which :func:`sanitize_slots` finds repeated slots by comparing every pair (one
 #: fused comparison of N^2 elements) instead of sorting (a sort, a gather and a scatter).
@@ -36,6 +38,8 @@ _AXES: Final = {
     "b": "(N, S, H or HV, dk)",
     "g": "(N, S, H or HV, dk)",
 }
+#: The gates that may come as one value per head and token (rank 3, no channel axis).
+SCALAR_GATE_AXES: Final = {"w": "(N, S, HV)", "b": "(N, S, H or HV)", "g": "(N, S, H or HV)"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -43,7 +47,8 @@ class DecodeSpec:
     """Static description of one decode call; hashable (a jit static, a cache key).
 
     A backend's ``decode`` receives the resolved spec (:meth:`resolved`): grouped value heads are
-    expanded by the core, so there ``key_heads == gate_heads == heads``.
+    expanded and scalar gates broadcast by the core, so there ``key_heads == gate_heads ==
+    heads`` and ``scalar_gates == ()``.
     """
 
     n_seqs: int  # N
@@ -60,6 +65,10 @@ class DecodeSpec:
     token_states: bool  # return the state after each token
     indexed: bool  # state_indices given (else sequence n uses slot n, P == N)
     float32_decay: bool = False  # g float32 beside bfloat16 inputs (checks.check_decay_dtype)
+    scalar_gates: tuple[str, ...] = ()  # of "w", "b", "g": given (N, S, heads), one per channel
+    #: the fused activations a backend applies itself (Capabilities.decode_activations; set by
+    #: gdn2core.ops.decode.api on the spec it hands such a backend, else none)
+    activations: Activations = NO_ACTIVATIONS
 
     @property
     def group(self) -> int:
@@ -83,8 +92,11 @@ class DecodeSpec:
         return 2 * self.n_seqs * self.heads * self.dk * self.dv * self.state_itemsize
 
     def resolved(self) -> DecodeSpec:
-        """The spec a backend sees: q, k, b and g repeated to the ``HV`` value heads."""
-        return dataclasses.replace(self, key_heads=self.heads, gate_heads=self.heads)
+        """The spec a backend sees: q, k, b and g repeated to the ``HV`` value heads, scalar gates
+        broadcast to their channels (``gdn2core.ops.decode.api``)."""
+        return dataclasses.replace(
+            self, key_heads=self.heads, gate_heads=self.heads, scalar_gates=()
+        )
 
     @classmethod
     def from_inputs(
@@ -125,16 +137,18 @@ class DecodeSpec:
         for name, x in arrays.items():
             if not hasattr(x, "shape") or not hasattr(x, "dtype"):
                 raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
-            if len(x.shape) != 4:
+            if len(x.shape) != 4 and not (name in SCALAR_GATE_AXES and len(x.shape) == 3):
+                scalar = f" or rank 3 {SCALAR_GATE_AXES[name]}" if name in SCALAR_GATE_AXES else ""
                 raise ValueError(
-                    f"{name}: expected rank 4 {_AXES[name]}, got rank {len(x.shape)} shape "
-                    f"{tuple(x.shape)}"
+                    f"{name}: expected rank 4 {_AXES[name]}{scalar}, got rank {len(x.shape)} "
+                    f"shape {tuple(x.shape)}"
                 )
+        scalar_gates = tuple(n for n in SCALAR_GATE_AXES if len(arrays[n].shape) == 3)
         n, s, heads, dk = (int(d) for d in q.shape)
         value_heads, dv = int(v.shape[2]), int(v.shape[3])
         _expect("k", k.shape, (n, s, heads, dk))
         _expect("v", v.shape, (n, s, value_heads, dv))
-        _expect("w", w.shape, (n, s, value_heads, dv))
+        _expect_gate("w", w.shape, (n, s, value_heads, dv))
         if min(n, s, heads, dk, dv, value_heads) < 1:
             raise ValueError(
                 f"q/v: N, S, H, HV, dk and dv must be positive, got N={n}, S={s}, H={heads}, "
@@ -150,8 +164,8 @@ class DecodeSpec:
             raise ValueError(
                 f"b: expected H={heads} or HV={value_heads} heads, got shape {tuple(b.shape)}"
             )
-        _expect("b", b.shape, (n, s, gate_heads, dk))
-        _expect("g", g.shape, (n, s, gate_heads, dk))
+        _expect_gate("b", b.shape, (n, s, gate_heads, dk))
+        _expect_gate("g", g.shape, (n, s, gate_heads, dk))
         dtype, float32_decay = check_token_dtypes(arrays)
 
         if not hasattr(state, "shape") or not hasattr(state, "dtype"):
@@ -197,6 +211,7 @@ class DecodeSpec:
             token_states=return_token_states,
             indexed=state_indices is not None,
             float32_decay=float32_decay,
+            scalar_gates=scalar_gates,
         )
 
 
@@ -253,6 +268,14 @@ def _expect(name: str, actual: Any, expected: tuple[int, ...], axes: str | None 
         raise ValueError(f"{name}: expected shape {axes or _AXES[name]} = {expected}, got {actual}")
 
 
+def _expect_gate(name: str, actual: Any, expected: tuple[int, ...]) -> None:
+    """A gate's shape: ``expected``, or without its channel axis for a scalar gate (rank 3)."""
+    if len(actual) == 3:
+        _expect(name, actual, expected[:3], SCALAR_GATE_AXES[name])
+    else:
+        _expect(name, actual, expected)
+
+
 def sanitize_slots(state_indices: Any, n_seqs: int, pool_size: int) -> jax.Array:
     """The slots a backend receives: ``(N,)`` int32, each a slot in ``[0, P)`` named by exactly
     one sequence, or ``-1``: that sequence is skipped (nothing is read from or written to the
@@ -291,15 +314,16 @@ def sanitize_slots(state_indices: Any, n_seqs: int, pool_size: int) -> jax.Array
 
 
 def expand_heads(x: jax.Array, heads: int) -> jax.Array:
-    """Repeat the heads of a token input ``(N, S, h, d)`` to ``heads``: head ``j`` of the result is
-    head ``j // (heads / h)`` of ``x`` (grouped value heads; a no-op when ``h == heads``).
+    """Repeat the heads of a token input ``(N, S, h, d)`` (or a scalar gate ``(N, S, h)``) to
+    ``heads``: head ``j`` of the result is head ``j // (heads / h)`` of ``x`` (grouped value heads;
+    a no-op when ``h == heads``).
 
     Args:
         x: q, k, b or g.
         heads: HV.
 
     Returns:
-        ``(N, S, HV, d)``.
+        ``(N, S, HV, d)`` (a scalar gate ``(N, S, HV)``).
     """
     group = heads // x.shape[2]
     return x if group == 1 else jnp.repeat(x, group, axis=2)

@@ -47,11 +47,6 @@ _DECODE_KEYWORDS: Final = frozenset(
 )  # fmt: skip
 
 
-def _full(x: jax.Array, d: int) -> jax.Array:
-    """A scalar gate ``(B, T, heads)`` on ``d`` channels: ``(B, T, heads, d)``."""
-    return jnp.broadcast_to(x[..., None], (*x.shape, d))
-
-
 def _state_indices(op: str, kwargs: dict[str, Any]):
     """Our ``state_indices`` out of ``kwargs``; vLLM's keywords refused, naming ours."""
     if "ssm_state_indices" in kwargs:
@@ -93,11 +88,10 @@ def _run(op: str, call: FamilyCall, state_indices) -> tuple[jax.Array, jax.Array
         pool = call.h0.astype(jnp.float32)
     else:
         pool = call.h0
-    full = [_full(w, dv), _full(b, dk), g if g.ndim == 4 else _full(g, dk)]  # [B, T, ., d]
     keywords = dict(call.keywords)  # the decode op takes dt_bias per channel
     if keywords.get("dt_bias") is not None:
         keywords["dt_bias"] = per_channel_dt_bias(keywords["dt_bias"], dk)
-    o, h = gdn2_decode(q, k, v, *full, pool, state_indices=state_indices, **keywords)
+    o, h = gdn2_decode(q, k, v, w, b, g, pool, state_indices=state_indices, **keywords)
     return finish(call, o, h)
 
 

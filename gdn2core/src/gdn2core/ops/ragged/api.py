@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from gdn2core.config import DEFAULT_CONFIG, KernelConfig
+from gdn2core.features.scalar_gates import broadcast_gates
 from gdn2core.ops.ragged.mesh import head_plan, sharded_ragged
 from gdn2core.ops.ragged.pooled import run_pooled
 from gdn2core.ops.ragged.run import Call, run_decodes, run_packed, start_states
@@ -36,9 +37,9 @@ def gdn2_ragged(
     q: Float[Array, "T H dk"],
     k: Float[Array, "T H dk"],
     v: Float[Array, "T HV dv"],
-    w: Float[Array, "T HV dv"],
-    b: Float[Array, "T Hg dk"],
-    g: Float[Array, "T Hg dk"],
+    w: Float[Array, "T HV dv"] | Float[Array, "T HV"],
+    b: Float[Array, "T Hg dk"] | Float[Array, "T Hg"],
+    g: Float[Array, "T Hg dk"] | Float[Array, "T Hg"],
     pool: Float[Array, "P HV dk dv"],
     *,
     cu_seqlens: Int[Array, " N1"],
@@ -69,7 +70,10 @@ def gdn2_ragged(
         q, k: ``(T, H, dk)``; v, w: ``(T, HV, dv)``; b, g: ``(T, H or HV, dk)``: the flat tokens
             of every request, one floating dtype (but g may be float32 beside bfloat16 inputs,
             as in :func:`gdn2_forward`); ``HV`` a multiple of ``H`` (grouped value heads). Tokens
-            past ``cu_seqlens[N]`` are padding: their outputs are zero.
+            past ``cu_seqlens[N]`` are padding: their outputs are zero. Scalar gates (KDA's and
+            GDN's beta, GDN's decay) may come without their channel axis, w ``(T, HV)`` and b, g
+            ``(T, H or HV)``: broadcast to their channels before the backend (the pooled and
+            decode kernels take full gates).
         pool: ``(P, HV, dk, dv)`` float32 or bfloat16 (float64 too for float64 inputs). Slots the
             call does not name keep their value bit for bit.
         cu_seqlens: ``(N + 1,)`` integers: 0, non-decreasing, at most T.
@@ -129,6 +133,7 @@ def gdn2_ragged(
         context_lens=context_lens, checkpoint_slots=checkpoint_slots, draft_slots=draft_slots,
         num_decodes=num_decodes, decode_len=decode_len,
     )  # fmt: skip
+    spec, w, b, g = broadcast_gates(spec, w, b, g)  # scalar gates: on every channel
     if config is None:
         config = DEFAULT_CONFIG
     elif not isinstance(config, KernelConfig):

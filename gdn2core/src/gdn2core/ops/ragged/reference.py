@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from gdn2core.checks import state_dtype
+from gdn2core.features.scalar_gates import broadcast_gates
 from gdn2core.features.segments import varlen_layout
 from gdn2core.ops.forward.reference import feature_token_step
 from gdn2core.ops.forward.spec import OpSpec
@@ -26,9 +27,9 @@ def gdn2_ragged_reference(
     q: Float[Array, "T H dk"],
     k: Float[Array, "T H dk"],
     v: Float[Array, "T HV dv"],
-    w: Float[Array, "T HV dv"],
-    b: Float[Array, "T Hg dk"],
-    g: Float[Array, "T Hg dk"],
+    w: Float[Array, "T HV dv"] | Float[Array, "T HV"],
+    b: Float[Array, "T Hg dk"] | Float[Array, "T Hg"],
+    g: Float[Array, "T Hg dk"] | Float[Array, "T Hg"],
     pool: Float[Array, "P HV dk dv"],
     *,
     cu_seqlens: Int[Array, " N1"],
@@ -55,6 +56,7 @@ def gdn2_ragged_reference(
         has_initial_state=has_initial_state, scale=scale, checkpoint_every=checkpoint_every,
         context_lens=context_lens, checkpoint_slots=checkpoint_slots, draft_slots=draft_slots,
     )  # fmt: skip
+    spec, w, b, g = broadcast_gates(spec, w, b, g)  # scalar gates: on every channel
     n, t = spec.n_requests, spec.tokens
     acc = state_dtype(q.dtype)
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)  # [N + 1]

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from gdn2core.checks import state_dtype
 from gdn2core.features.activations import apply_activations
 from gdn2core.indexing import count_at_most
+from gdn2core.ops.decode.api import decode_extras
 from gdn2core.ops.decode.spec import DecodeSpec, backend_decay, expand_heads
 from gdn2core.ops.forward.api import forward_continued, gdn2_forward, which_backend
 from gdn2core.ops.ragged import pieces as pc
@@ -110,27 +111,36 @@ def run_decodes(call: Call, x, pool: jax.Array) -> tuple[jax.Array, jax.Array, j
     where = jnp.where(real, cu[:d, None] + j[None], 0)  # [D, S] flat token of each, < T
     # in bounds (cu[D] <= T): no select for out-of-range indices around the gathers
     q, k, v, w, b, g = (a.at[where].get(mode="promise_in_bounds") for a in x)  # [D, S, ...]
-    act = call.features.activations
-    if act.any:
-        extras = call.features.extras
-        q, k, w, b, g = apply_activations(act, q, k, w, b, g, extras.A_log, extras.dt_bias)
-    keep = real[:, :, None, None]
-    k, g = jnp.where(keep, k, 0), jnp.where(keep, g, 0)  # filler: the state passes unchanged
-    zero = jnp.zeros((1, *pool.shape[1:]), pool.dtype)  # a slot of zeros
-    fresh = (slots.state[:d] >= 0) & ~call.flags[:d]  # [D] new requests start from zeros
-    pool = write_slots(pool, fresh, slots.state[:d], lambda pool, i: zero)
     # Token states are needed for drafts, and for checkpoints inside rows of several tokens; a
     # checkpoint of a one-token decode is its final state, copied from its slot afterwards.
     token_cuts = bool(spec.draft_cols) or bool(spec.checkpoint_cols and s > 1)
-    dspec = DecodeSpec.from_inputs(
-        q, k, v, w, b, g, pool, jax.ShapeDtypeStruct((d,), jnp.int32), spec.scale, token_cuts
-    ).resolved()  # the indices are the call's, checked already
-    chosen = resolve_decode_backend(dspec, call.config, call.backend, platform=call_platform(x[0]))
-    dspec, g = backend_decay(dspec, g, chosen.capabilities.float32_decay)
+    indices = jax.ShapeDtypeStruct((d,), jnp.int32)  # the call's, checked already
+    dspec = DecodeSpec.from_inputs(q, k, v, w, b, g, pool, indices, spec.scale, token_cuts)
+    chosen = resolve_decode_backend(
+        dspec.resolved(), call.config, call.backend, platform=call_platform(x[0])
+    )  # fmt: skip
+    act, extras = call.features.activations, call.features.extras
+    fused = act.any and chosen.capabilities.decode_activations  # raw inputs to the backend
+    if act.any and not fused:
+        q, k, w, b, g = apply_activations(act, q, k, w, b, g, extras.A_log, extras.dt_bias)
+    # Filler tokens leave the state as it is: k = 0 and a decay of 1, that is g = 0 after the
+    # activations (a raw g = -inf, when the backend activates a fused gate itself).
+    keep = real[:, :, None, None]
+    g_fill = -jnp.inf if fused and act.gate != "none" else 0.0
+    k, g = jnp.where(keep, k, 0), jnp.where(keep, g, g_fill)
+    zero = jnp.zeros((1, *pool.shape[1:]), pool.dtype)  # a slot of zeros
+    fresh = (slots.state[:d] >= 0) & ~call.flags[:d]  # [D] new requests start from zeros
+    pool = write_slots(pool, fresh, slots.state[:d], lambda pool, i: zero)
+    dspec = DecodeSpec.from_inputs(q, k, v, w, b, g, pool, indices, spec.scale, token_cuts)
+    dspec, g = backend_decay(dspec.resolved(), g, chosen.capabilities.float32_decay)
     heads = spec.heads
+    more = {}  # the raw inputs and the gate's parameters, for a backend that fuses them
+    if fused:
+        dspec = dataclasses.replace(dspec, activations=act)
+        more["extras"] = decode_extras(extras, heads, state_dtype(spec.dtype))
     od, pool, token_states = chosen.decode(
         expand_heads(q, heads), expand_heads(k, heads), v, w, expand_heads(b, heads),
-        expand_heads(g, heads), pool, slots.state[:d], spec=dspec, config=call.config,
+        expand_heads(g, heads), pool, slots.state[:d], spec=dspec, config=call.config, **more,
     )  # fmt: skip
     if token_cuts:
         flat = token_states.reshape(-1, *token_states.shape[2:])  # [D S, HV, dk, dv]

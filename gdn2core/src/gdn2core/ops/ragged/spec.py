@@ -2,7 +2,8 @@
 
 The contract is the ragged section of ``docs/operator.md``: ``T`` flat tokens of ``N`` requests
 (request ``i`` owns tokens ``cu_seqlens[i]:cu_seqlens[i + 1]``, tokens past ``cu_seqlens[N]`` are
-padding); q, k ``(T, H, dk)``; v, w ``(T, HV, dv)``; b, g ``(T, H or HV, dk)``; a state pool
+padding); q, k ``(T, H, dk)``; v, w ``(T, HV, dv)``; b, g ``(T, H or HV, dk)`` (scalar gates,
+one value per head and token: w ``(T, HV)``, b, g ``(T, H or HV)``); a state pool
 ``(P, HV, dk, dv)``; per request a slot (``state_indices``), whether it starts from that slot
 (``has_initial_state``), and optionally the slots that receive its prefix checkpoints
 (``checkpoint_slots`` with ``checkpoint_every`` and ``context_lens``) and its draft states
@@ -31,6 +32,8 @@ _AXES = {
     "b": "(T, H or HV, dk)",
     "g": "(T, H or HV, dk)",
 }
+#: The gates that may come as one value per head and token (rank 2, no channel axis).
+_SCALAR_AXES = {"w": "(T, HV)", "b": "(T, H or HV)", "g": "(T, H or HV)"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -54,6 +57,7 @@ class RaggedSpec:
     num_decodes: int = 0  # D: the first D requests are decodes, on the decode op
     decode_len: int = 1  # the most tokens of a decode request
     float32_decay: bool = False  # g float32 beside bfloat16 inputs (checks.check_decay_dtype)
+    scalar_gates: tuple[str, ...] = ()  # of "w", "b", "g": given (T, heads), one per channel
 
     @property
     def checkpoint_bound(self) -> int:
@@ -106,16 +110,18 @@ class RaggedSpec:
         for name, x in arrays.items():
             if not hasattr(x, "shape") or not hasattr(x, "dtype"):
                 raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
-            if len(x.shape) != 3:
+            if len(x.shape) != 3 and not (name in _SCALAR_AXES and len(x.shape) == 2):
+                scalar = f" or rank 2 {_SCALAR_AXES[name]}" if name in _SCALAR_AXES else ""
                 raise ValueError(
-                    f"{name}: expected rank 3 {_AXES[name]} (the flat tokens of every request), "
-                    f"got shape {tuple(x.shape)}"
+                    f"{name}: expected rank 3 {_AXES[name]}{scalar} (the flat tokens of every "
+                    f"request), got shape {tuple(x.shape)}"
                 )
+        scalar_gates = tuple(n for n in _SCALAR_AXES if len(arrays[n].shape) == 2)
         t, heads, dk = (int(d) for d in q.shape)
         value_heads, dv = int(v.shape[1]), int(v.shape[2])
         expect_shape("k", k.shape, (t, heads, dk), _AXES["k"])
         expect_shape("v", v.shape, (t, value_heads, dv), _AXES["v"])
-        expect_shape("w", w.shape, (t, value_heads, dv), _AXES["w"])
+        _expect_gate("w", w.shape, (t, value_heads, dv))
         if min(heads, dk, dv, value_heads) < 1:
             raise ValueError(
                 f"q/v: H, HV, dk and dv must be positive, got H={heads}, HV={value_heads}, "
@@ -131,8 +137,8 @@ class RaggedSpec:
             raise ValueError(
                 f"b: expected H={heads} or HV={value_heads} heads, got shape {tuple(b.shape)}"
             )
-        expect_shape("b", b.shape, (t, gate_heads, dk), _AXES["b"])
-        expect_shape("g", g.shape, (t, gate_heads, dk), _AXES["g"])
+        _expect_gate("b", b.shape, (t, gate_heads, dk))
+        _expect_gate("g", g.shape, (t, gate_heads, dk))
         dtype, float32_decay = check_token_dtypes(arrays)
 
         if not hasattr(pool, "shape") or not hasattr(pool, "dtype"):
@@ -201,9 +207,18 @@ class RaggedSpec:
             num_decodes=int(num_decodes),
             decode_len=int(decode_len),
             float32_decay=float32_decay,
+            scalar_gates=scalar_gates,
         )
         check_metadata(spec, cu_seqlens, state_indices, context_lens, checkpoint_slots, draft_slots)
         return spec
+
+
+def _expect_gate(name: str, actual: Any, expected: tuple[int, ...]) -> None:
+    """A gate's shape: ``expected``, or without its channel axis for a scalar gate (rank 2)."""
+    if len(actual) == 2:
+        expect_shape(name, actual, expected[:2], _SCALAR_AXES[name])
+    else:
+        expect_shape(name, actual, expected, _AXES[name])
 
 
 def _index_array(name: str, x: Any, shape: tuple[int, ...] | None, axes: str) -> Any:
