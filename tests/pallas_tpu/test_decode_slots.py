@@ -137,9 +137,11 @@ CASES = {
 def eight_heads_a_step(monkeypatch):
     """Plans take 8 heads a step where they can (two head blocks at HV = 16)."""
     plain = decode_plan.head_block
-    monkeypatch.setattr(
-        decode_plan, "head_block", lambda spec: 8 if spec.heads % 8 == 0 else plain(spec)
-    )
+
+    def head_block(spec, *fits):
+        return 8 if spec.heads % 8 == 0 else plain(spec, *fits)
+
+    monkeypatch.setattr(decode_plan, "head_block", head_block)
 
 
 @pytest.mark.parametrize("case", list(CASES))
