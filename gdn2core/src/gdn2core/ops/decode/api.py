@@ -26,8 +26,8 @@ estimate: ``gdn2 bench --decode --tpu v5e --no-timing --gate softplus``, docs/re
 Scalar gates reach the decode backends broadcast, unlike the chunked op's: a decode step's gate
 bytes are small beside its pool slots, and the pallas_tpu decode kernel reading them as
 ``(N, HV, S)`` columns and broadcasting them in VMEM was estimated slower than this (TPU
-compiler's static estimate, v5e, N = 8, S = 1, HV = 32, d = 128, bfloat16 pool, GDN's three scalar
-gates: kernel 23.65 against 23.06 us, the step's XLA ops 8.76 against 8.69 us, the gates'
+compiler's static estimate, v5e, N = 8, S = 1, HV = 32, d = 128, bfloat16 tokens and pool, 16
+heads a grid step, GDN's three scalar gates: kernel 23.65 against 23.06 us, the step's XLA ops 8.76 against 8.69 us, the gates'
 relayout costing as much as their broadcast; N = 64: kernel 164.6 against 159.9 us).
 """
 
