@@ -83,8 +83,12 @@ def _rate(gate_params: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(a, dt, clipped)`` [U, 1, K] from ``gate_params`` [U, 2, K]: the clipped rate, the bias,
     and where ``exp(A_log)`` was outside the clip (there the gradient of A_log is 0)."""
     e, dt = gate_params[:, 0:1, :], gate_params[:, 1:2, :]
-    a = jnp.minimum(jnp.maximum(e, RATE_MIN), RATE_MAX)
-    return a, dt, (e < RATE_MIN) | (e > RATE_MAX)
+    return _clipped(e), dt, (e < RATE_MIN) | (e > RATE_MAX)
+
+
+def _clipped(e: jax.Array) -> jax.Array:
+    """The rate ``exp(A_log)`` clipped to ``[RATE_MIN, RATE_MAX]``."""
+    return jnp.minimum(jnp.maximum(e, RATE_MIN), RATE_MAX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,8 +130,7 @@ def activate_rows(q, k, b, w, g, gate_params, act, eps: float) -> Activated:
     ``R / 8`` vregs (a ``[R, 1, d]`` unit form would take one vreg per row)."""
     a = dt = None
     if act.gate != "none":
-        e = gate_params[0]  # [R, K]
-        a, dt = jnp.minimum(jnp.maximum(e, RATE_MIN), RATE_MAX), gate_params[1]
+        a, dt = _clipped(gate_params[0]), gate_params[1]  # [R, K]
     return _activated(q, k, b, w, g, a, dt, act, eps)
 
 
