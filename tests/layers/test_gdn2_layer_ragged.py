@@ -141,6 +141,33 @@ def test_mixed_step_equals_each_request_alone(layer):
     assert_untouched(cache2, cache1, named={3, 7, 0, 11})  # slot 5: empty, resumed: unchanged
 
 
+@pytest.mark.parametrize("variant", ["kda", "gdn"])
+def test_variants_hand_scalar_gates_and_equal_each_request_alone(variant, monkeypatch):
+    """KDA's and GDN's layers: the ragged op gets beta (and GDN's decay) as scalar gates, w
+    ``(T, HV)``, b ``(T, Hg)``; a decode, a resumed prefill and a new request each equal the
+    layer's plain serving call alone (which the variant tests check against the recurrence)."""
+    import gdn2core.layers.ragged as module
+
+    seen = []
+    real = module.gdn2_ragged
+
+    def spy(*args, **kw):
+        seen.append(tuple(a.ndim for a in args[3:6]))  # w, b, g
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, "gdn2_ragged", spy)
+    layer = GDN2Layer(D, H, DK, num_v_heads=HV, variant=variant, backend="jax_ref",
+                      rngs=nnx.Rngs(1))  # fmt: skip
+    cache = random_cache(layer)
+    xs, slots, flags = [tokens(1, 3), tokens(8, 5), tokens(6, 6)], [3, 7, 0], [True, True, False]
+    ys, new, _ = run(layer, cache, xs, slots, flags, decodes=(1, 1), jit=False)
+    assert seen == [(2, 2, 2 if variant == "gdn" else 3)]
+    for i, (x, slot, flag) in enumerate(zip(xs, slots, flags, strict=True)):
+        y_ref, c_ref = alone(layer, cache, x, slot, flag)
+        assert rel_err(ys[i], y_ref) < F32_TOL, i
+        assert_slot(new, slot, c_ref, what=f"request {i}")
+
+
 @pytest.mark.parametrize("split", [1, 2, 5, 9])
 def test_a_request_split_over_two_calls_equals_one_call(layer, split):
     """An 11-token prompt behind a decode, in one call or split after ``split`` tokens (1 and 2

@@ -97,6 +97,14 @@ def test_key_head_gates_over_two_axes_of_a_2x2_mesh():
     check(x, pool, extras, ("a", "b"), mesh=mesh_of((2, 2), ("a", "b")), head_axes=("a", "b"))
 
 
+def test_scalar_gates_over_four_devices():
+    """GDN's scalar gates, w ``(T, HV)``, b and g ``(T, HV)``, split by heads as ``(T, heads)``
+    arrays (and broadcast on each device only for its decodes)."""
+    x, pool, extras = inputs(seed=3)
+    x = (*x[:3], *(a[..., 0] for a in x[3:]))  # [T, HV]
+    check(x, pool, extras, "heads", mesh=mesh_of((4,), ("heads",)), head_axes="heads")
+
+
 def test_the_plan_follows_sharded_inputs_without_keywords():
     """Inputs on an Explicit mesh, heads sharded: the call finds the mesh and the head axes."""
     mesh = mesh_of((4,), ("y",), AxisType.Explicit)

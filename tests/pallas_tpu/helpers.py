@@ -79,3 +79,19 @@ def decode_plans(monkeypatch) -> list:
 
     monkeypatch.setattr(decode_op, "decode_call", spy)
     return plans
+
+
+#: bt = 16, checkpoints every 16, T = 56 with the engine's padding from token 47 on: a decode
+#: (token 0); a resumed request at context 7 from token 1 (its window starts 6 tokens before the
+#: array: clamped to 0, rolled, the decode's row zeroed); a new request of 21 tokens (a
+#: checkpoint after its token 15); a resumed one at context 33 whose last window runs past the
+#: array's end (clamped, rolled; the padding's NaN rows zeroed).
+FLAT = dict(
+    cu_seqlens=[0, 1, 9, 30, 47],
+    state_indices=[2, 5, 9, 0],
+    has_initial_state=[True, True, False, True],
+    checkpoint_every=16,
+    context_lens=[15, 7, 0, 33],
+    checkpoint_slots=[[1, -1], [3, -1], [4, -1], [6, 10]],
+)
+FLAT_T, FLAT_PADDING = 56, 47

@@ -22,26 +22,12 @@ from gdn2_conformance import rel_err
 from gdn2_pallas_tpu.config import PallasTpuConfig
 from gdn2core import KernelConfig, gdn2_ragged, gdn2_ragged_reference
 
-from .helpers import ragged_tokens
+from .helpers import FLAT, FLAT_PADDING, FLAT_T, ragged_tokens
 
 H, HV, DK, DV, P = 8, 16, 64, 64, 12  # H = 8: the token-major layout, whose tokens are read flat
 TOL = 5e-5
 INTERPRET = KernelConfig(bt=16, interpret=True)
 
-#: bt = 16, checkpoints every 16, T = 56 with the engine's padding from token 47 on: a decode
-#: (token 0); a resumed request at context 7 from token 1 (its window starts 6 tokens before the
-#: array: clamped to 0, rolled, the decode's row zeroed); a new request of 21 tokens (a
-#: checkpoint after its token 15); a resumed one at context 33 whose last window runs past the
-#: array's end (clamped, rolled; the padding's NaN rows zeroed).
-FLAT = dict(
-    cu_seqlens=[0, 1, 9, 30, 47],
-    state_indices=[2, 5, 9, 0],
-    has_initial_state=[True, True, False, True],
-    checkpoint_every=16,
-    context_lens=[15, 7, 0, 33],
-    checkpoint_slots=[[1, -1], [3, -1], [4, -1], [6, 10]],
-)
-FLAT_T, FLAT_PADDING = 56, 47
 #: Slots the step writes: finals 2, 5, 9, 0; checkpoints 1 (the decode's), 4, 6.
 FLAT_WRITTEN = (0, 1, 2, 4, 5, 6, 9)
 
@@ -95,6 +81,41 @@ def test_pooled_forward_reads_the_flat_tokens(fused):
     assert rel_err(new, new_ref) < TOL
     untouched = [s for s in range(P) if s not in FLAT_WRITTEN]
     np.testing.assert_array_equal(np.asarray(new)[untouched], np.asarray(pool)[untouched])
+
+
+def test_pooled_forward_reads_grouped_keys(monkeypatch):
+    """b, g on the value heads (fla's and Qwen3-Next's layout), H = 16 key heads, HV = 32: the
+    kernel reads q and k with their own 16 heads (the four head groups of 8 value heads each
+    read their half of one of the two 8-head key windows, repeated in VMEM; blocks.py, section
+    Grouped keys), never repeated to 32 in XLA; two simulated cores with race detection and a
+    random order of the head groups (a group reading another's key heads gives errors of order
+    1)."""
+    h, hv = 16, 32
+    x, pool = ragged_tokens(FLAT_T, 4, h, hv, DK, DV, P, FLAT_PADDING)
+    q, k, v, w, _, _ = x
+    ks = jax.random.split(jax.random.PRNGKey(6), 2)
+    b = jax.nn.sigmoid(jax.random.normal(ks[0], (FLAT_T, hv, DK))).at[FLAT_PADDING:].set(jnp.nan)
+    g = -0.3 * jax.nn.softplus(jax.random.normal(ks[1], (FLAT_T, hv, DK)))
+    x = (q, k, v, w, b, g.at[FLAT_PADDING:].set(jnp.nan))
+    config = PallasTpuConfig(bt=16, interpret=True, interpret_detect_races=True,
+                             interpret_cores=2, interpret_seed=5)  # fmt: skip
+    import gdn2_pallas_tpu.vjp as vjp
+
+    heads, real = [], vjp.gdn2_pallas_pooled
+
+    def spy(q, k, v, w, b, g, pool, cu, requests, plan, *rest):
+        heads.append((q.shape[2], k.shape[2], plan.key_groups))
+        o, new = real(q, k, v, w, b, g, pool, cu, requests, plan, *rest)
+        assert o.shape == (1, FLAT_T, hv, DV)  # Backend.forward_pooled: (1, T, H, dv)
+        return o, new
+
+    monkeypatch.setattr(vjp, "gdn2_pallas_pooled", spy)
+    o, new = gdn2_ragged(*x, pool, num_decodes=1, backend="pallas_tpu", config=config, **FLAT)
+    assert heads == [(h, h, hv // h)]
+    o_ref, new_ref = gdn2_ragged_reference(*x, pool, **FLAT)
+    assert rel_err(o[:FLAT_PADDING], o_ref[:FLAT_PADDING]) < TOL
+    np.testing.assert_array_equal(np.asarray(o[FLAT_PADDING:]), 0.0)
+    assert rel_err(new, new_ref) < TOL
 
 
 def test_pooled_forward_on_fewer_tokens_than_a_chunk():

@@ -261,8 +261,9 @@ def test_ragged_call_compiles_to_mosaic_for_v5e_with_the_pool_in_place(
     assert "tpu_custom_call" in text
     kernels = {name for name in ("gdn2_decode", "gdn2_fwd_pooled") if name in text}
     assert kernels == {"gdn2_decode", "gdn2_fwd_pooled"}, kernels
-    if g_dtype == jnp.float32:  # g's operand: the decodes' rows [3, 1, HV, d], the flat tokens
-        for name, g_type in (("gdn2_decode", f"f32[3,1,{value_heads},128]"),
+    if g_dtype == jnp.float32:  # g's operand: the decodes' rows [3, 1, H, d] (the decode kernel
+        # reads the key heads' rows itself), the flat tokens
+        for name, g_type in (("gdn2_decode", f"f32[3,1,{heads},128]"),
                              ("gdn2_fwd_pooled", f"f32[1,{t},{heads},128]")):  # fmt: skip
             kernels = [
                 line for line in text.splitlines() if f"%{name}" in line and "custom-call(" in line
@@ -282,6 +283,37 @@ def test_ragged_call_compiles_to_mosaic_for_v5e_with_the_pool_in_place(
         # o never in the kernel heads' layout (T, H, G dv), whose move to (T, HV, dv) is a copy
         grouped = rf"bf16\[(1,)?{t},{heads},{128 * value_heads // heads}\]"
         assert not re.search(grouped, text), "o in the (T, H, G dv) layout"
+
+
+def test_gdn_ragged_call_compiles_with_scalar_gates_and_grouped_keys():
+    """GDN at Qwen3-Next-like heads (H = 16, HV = 32, beta and the decay per value head, as
+    ``(T, HV)`` scalar gates): the pooled kernel's operands are q and k on their own 16 heads
+    (read grouped, not repeated to 32 in XLA), v, and the gates as float32 scalar blocks, none
+    ``(.., 128)`` wide; the decode kernel gets its gates broadcast (the decode op's rule)."""
+    mesh = topology_mesh("v5e:1x1")
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    t, n, heads, value_heads = 64, 5, 16, 32
+    key = jax.ShapeDtypeStruct((t, heads, 128), jnp.bfloat16, sharding=rep)
+    val = jax.ShapeDtypeStruct((t, value_heads, 128), jnp.bfloat16, sharding=rep)
+    gate = jax.ShapeDtypeStruct((t, value_heads), jnp.bfloat16, sharding=rep)
+    pool = jax.ShapeDtypeStruct((P, value_heads, 128, 128), jnp.bfloat16, sharding=rep)
+    ints = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=rep)
+    cu = jax.ShapeDtypeStruct((n + 1,), jnp.int32, sharding=rep)
+
+    def step(q, k, v, w, b, g, pool, cu, idx):
+        return gdn2_ragged(q, k, v, w, b, g, pool, cu_seqlens=cu, state_indices=idx,
+                           num_decodes=3, backend="pallas_tpu")  # fmt: skip
+
+    text = compile_for_tpu(step, key, key, val, gate, gate, gate, pool, cu, ints,
+                           donate_argnums=(6,)).as_text()  # fmt: skip
+    calls = [
+        line for line in text.splitlines() if "%gdn2_fwd_pooled" in line and "custom-call(" in line
+    ]
+    assert calls, "no pooled kernel"
+    operands = calls[0].split("operand_layout_constraints={")[1].split("}}")[0]
+    wide = re.findall(r"bf16\[1,\d+,(\d+),128\]", operands)  # the token arrays' heads
+    assert sorted(wide) == ["16", "16", "32"], operands  # q, k on the key heads; v
+    assert len(re.findall(r"f32\[1,\d+,\d+,8,\d+\]", operands)) == 3, operands  # w, b, g
 
 
 def test_ragged_call_under_a_head_mesh_compiles_to_mosaic_for_v5e_2x2():

@@ -196,3 +196,37 @@ def test_libtpu_logs_are_truncated_while_a_compile_runs(tmp_path):
         (tmp_path / name).write_bytes(b"x" * 4096)
     _trim_logs(str(tmp_path))
     assert [p.stat().st_size for p in sorted(tmp_path.iterdir())] == [0, 0]
+
+
+def test_a_profile_of_identical_ops_counts_each_of_them(tmp_path):
+    """The profiler simulates identical ops once and says how many it stands for
+    (``num_equivalent_hlos``; the four broadcasts of a decode step's q, k, b, g to the value
+    heads get one profile): each is counted, at the named op's loop runs. Textprotos in the
+    profiler's format, the op in a while loop of 3 trips."""
+    (tmp_path / "a.static_llo_profile.textproto").write_text(
+        'hlo_op_name: "broadcast.9"\n  estimated_cycles: 131\n  num_equivalent_hlos: 4\n'
+        "  dma_instruction_type: DMA_INSTRUCTION_TYPE_NONE\n"
+    )
+    (tmp_path / "b.static_llo_profile.textproto").write_text(
+        'hlo_op_name: "gdn2_decode.1"\n  estimated_cycles: 29179\n'
+        "  dma_instruction_type: DMA_INSTRUCTION_TYPE_LOCAL\n"
+    )
+    from gdn2_tools.static_profile import profiled_ops, read_profiles
+
+    assert read_profiles(str(tmp_path)) == {
+        "broadcast.9": (131, "NONE", 4), "gdn2_decode.1": (29179, "LOCAL", 1),
+    }  # fmt: skip
+    hlo = "\n".join([
+        "%body (p: (s32[])) -> (s32[]) {",
+        "  %broadcast.9 = f32[8] broadcast(f32[] %c)",
+        "}",
+        "ENTRY %main () -> f32[8] {",
+        '  %while.1 = (s32[]) while(%t), condition=%cond, body=%body, '
+        'backend_config={"known_trip_count":{"n":"3"}}',
+        '  ROOT %gdn2_decode.1 = f32[8] custom-call(), custom_call_target="tpu_custom_call"',
+        "}",
+    ])  # fmt: skip
+    ops = {op.name: op for op in profiled_ops(str(tmp_path), hlo, ["gdn2_decode.1"])}
+    assert ops["gdn2_decode.1"].total == 29179 and ops["gdn2_decode.1"].kernel
+    assert ops["broadcast.9"].equivalents == 4 and not ops["broadcast.9"].kernel
+    assert ops["broadcast.9"].runs == 3 and ops["broadcast.9"].total == 131 * 4 * 3

@@ -53,6 +53,10 @@ class Capabilities(BaseModel):
         decode_activations: its :meth:`Backend.decode` applies ``spec.activations`` itself to
             the raw tokens (with ``extras``, a keyword passed only then); otherwise the core
             applies them in XLA first and hands it activated tokens.
+        grouped_decode: under grouped value heads its :meth:`Backend.decode` takes q, k with
+            their own ``spec.key_heads`` heads and b, g with their own ``spec.gate_heads``
+            (value head ``j`` reads head ``j // (HV / heads)`` of each); otherwise the core
+            repeats them to the ``HV`` value heads first.
         chunk_states: whether it implements :meth:`Backend.forward_chunk_states`
             (``gdn2_forward(..., return_chunk_states=True)``).
         continued: its ``forward`` takes ``extras.continues`` with ``cu_seqlens`` (sequences
@@ -67,8 +71,9 @@ class Capabilities(BaseModel):
             ``gdn2core.features.gva``), its ``forward``, ``forward_trainable`` and
             ``forward_chunk_states`` take q, k with their own ``H`` heads (not repeated to ``HV``)
             and return dq, dk in that shape; the spec it gets says so with ``key_groups = G``
-            (head ``j`` of the plain call reads key head ``j // G``). Not with ``cu_seqlens``
-            nor on a mesh (the core repeats them there).
+            (head ``j`` of the plain call reads key head ``j // G``); so does its
+            ``forward_pooled`` (the ragged op's packed requests). Not with ``cu_seqlens``
+            otherwise, nor on a mesh (the core repeats them there).
         float32_decay: its array methods (the forwards, ``decode``, ``forward_pooled``) take
             ``g`` in float32 beside bfloat16 inputs (``spec.float32_decay``; fla's layers
             compute the log decay in float32) and return its gradient in float32; otherwise the
@@ -89,6 +94,7 @@ class Capabilities(BaseModel):
     fused_activations: bool = False
     decode: bool = False
     decode_activations: bool = False
+    grouped_decode: bool = False
     chunk_states: bool = False
     continued: bool = False
     pooled: bool = False
@@ -359,11 +365,15 @@ class Backend(abc.ABC):
         Args:
             q, k, b, g: ``(N, S, HV, dk)``; v, w: ``(N, S, HV, dv)``: grouped value heads are
                 already expanded by the core (``spec.key_heads == spec.heads``), scalar gates
-                broadcast. Raw when ``spec.activations.any`` (only for a backend with
+                broadcast; with ``capabilities.grouped_decode``, q, k ``(N, S, spec.key_heads,
+                dk)`` and b, g ``(N, S, spec.gate_heads, dk)``. Raw when
+                ``spec.activations.any`` (only for a backend with
                 ``capabilities.decode_activations``), else activated by the core.
             state: the pool ``(P, HV, dk, dv)`` in ``spec.state_dtype``.
             slots: ``(N,)`` int32: sequence n's slot, or -1: skip sequence n (read and write
-                nothing for it; its outputs are NaN). Non-negative slots are distinct.
+                nothing for it; its outputs are NaN). Non-negative slots are distinct and in
+                ``[0, P)``; ``spec.sanitized_slots`` says the core made them so
+                (:func:`gdn2core.plugin.sanitize_slots`), False for a direct call.
             spec: the resolved decode spec.
             config: the kernel config.
             extras: with ``spec.activations.any``: ``A_log`` ``(HV,)`` and ``dt_bias``
@@ -409,7 +419,9 @@ class Backend(abc.ABC):
             q, k, v, w, b, g: one packed row ``(1, T, H, d)`` as for :meth:`forward` with
                 ``cu_seqlens``, grouped value heads resolved: with ``G = HV / spec.heads``,
                 the ``spec.dv`` value columns of head ``h`` are the pool's value heads
-                ``h G ... h G + G - 1``, ``spec.dv / G`` columns each.
+                ``h G ... h G + G - 1``, ``spec.dv / G`` columns each; with
+                ``Capabilities.grouped_keys`` and ``spec.key_groups > 1``, q and k keep their
+                ``spec.heads / spec.key_groups`` heads.
             pool: ``(P, HV, dk, dv)``, HV the call's value heads.
             spec, config: as for :meth:`forward`.
             extras: ``cu_seqlens`` (the requests' offsets) and the fused gates' parameters.

@@ -31,7 +31,9 @@ grouped value heads in the core's view (:func:`group_state`, for a backend that 
 ``spec.value_groups`` and writes states in the caller's layout), the token-serial references
 :func:`gdn2_token_serial_reference` and :func:`gdn2_decode_reference`; a decode op receives a
 :class:`DecodeSpec`, and :func:`sanitize_slots` is the core's rule for the slots it is given (out
-of range or repeated: skipped), for a ``decode`` that may be called directly.
+of range or repeated: skipped), for a ``decode`` that may be called directly; :func:`expand_heads`
+repeats a decode input's heads to the value heads (for a backend with
+``Capabilities.grouped_decode`` on a path that takes them repeated).
 """
 
 from gdn2core.backend import YES, Backend, Capabilities, Verdict
@@ -45,7 +47,7 @@ from gdn2core.features.segments import segment_starts, varlen_layout
 from gdn2core.hooks import BACKENDS_GROUP, TOOLS_GROUP, Command, KernelCost, hookimpl
 from gdn2core.indexing import count_at_most
 from gdn2core.ops.decode.reference import gdn2_decode_reference
-from gdn2core.ops.decode.spec import PAIRWISE_MAX, DecodeSpec, sanitize_slots
+from gdn2core.ops.decode.spec import PAIRWISE_MAX, DecodeSpec, expand_heads, sanitize_slots
 from gdn2core.ops.forward.reference import gdn2_token_serial_reference
 from gdn2core.ops.forward.spec import OpSpec
 from gdn2core.options import L2NORM_EPS, Activations, GateMode, OpExtras, SegmentMode
@@ -76,6 +78,7 @@ __all__ = [
     "count_at_most",
     "default_platform",
     "device_memory_bytes",
+    "expand_heads",
     "gdn2_decode_reference",
     "gdn2_token_serial_reference",
     "group_state",

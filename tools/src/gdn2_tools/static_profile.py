@@ -62,8 +62,9 @@ class Program:
     ``value_heads`` HV (0: H): grouped value heads (b, g on the H key heads, or with
     ``value_gates`` on the HV value heads). For
     ``mode="decode"``: ``B`` is the number of sequences N, ``T`` the tokens per sequence S,
-    ``H`` the key heads, ``value_heads`` HV (0: H), and the pool is ``pool_dtype`` with one slot
-    per sequence, donated (:func:`gdn2_tools.tpu.compile_decode`)."""
+    ``H`` the key heads, ``value_heads`` HV (0: H), b and g on the H key heads (or the HV value
+    heads with ``value_gates``), and the pool is ``pool_dtype`` with one slot per sequence,
+    donated (:func:`gdn2_tools.tpu.compile_decode`)."""
 
     backend: str
     mode: str  # "forward", "chunk-states" (return_chunk_states), "train" or "decode"
@@ -75,7 +76,7 @@ class Program:
     dtype: str
     config: str = "default"  # "default" or a gdn2core.PRESETS name
     value_heads: int = 0
-    value_gates: bool = False  # forward/train: b, g on the value heads (else on the key heads)
+    value_gates: bool = False  # b, g on the value heads (else on the key heads)
     pool_dtype: str = "float32"
     segments: bool = False  # forward/train: with segment_ids (packed sequences)
     gate: str = ""  # the fused gate, "softplus" or a lower bound ("-5"); "" none (decode: with
@@ -97,10 +98,16 @@ class OpCycles:
     unmodelled: bool = False  # remote DMA: the profiler says 0
     cost_model_cycles: int = 0  # XLA's fusion cost model, for unmodelled ops
     fit: dict | None = None  # extrapolation details
+    equivalents: int = 1  # the identical ops this profile stands for (read_profiles), itself too
+
+    @property
+    def times(self) -> int:
+        """Executions of the op and its equivalents."""
+        return self.runs * self.equivalents
 
     @property
     def total(self) -> int:
-        return self.cycles * self.runs
+        return self.cycles * self.times
 
 
 @dataclasses.dataclass
@@ -140,18 +147,42 @@ class Estimate:
 # -------------------------------------------------------------------------------------------------
 # Reading the dumps
 # -------------------------------------------------------------------------------------------------
-def read_profiles(directory: str) -> dict[str, tuple[int, str]]:
-    """``{hlo op: (estimated cycles, DMA type)}`` from the profile textprotos in ``directory``."""
+def read_profiles(directory: str) -> dict[str, tuple[int, str, int]]:
+    """``{hlo op: (estimated cycles, DMA type, equivalents)}`` from the profile textprotos in
+    ``directory``. ``equivalents`` is the profile's ``num_equivalent_hlos``: the profiler
+    simulates identical ops (the same computation on the same shapes, e.g. the four broadcasts
+    that repeat q, k, b and g of a decode step to the value heads) once, under one op's name, and
+    writes no profile for the others; so the profile stands for that many executions. (They are
+    counted at the named op's while-loop runs.)"""
     pattern = re.compile(
-        r'hlo_op_name: "([^"]+)"\s+estimated_cycles: (\d+)(?:\s+num_equivalent_hlos: \d+)?'
+        r'hlo_op_name: "([^"]+)"\s+estimated_cycles: (\d+)(?:\s+num_equivalent_hlos: (\d+))?'
         r"(?:\s+dma_instruction_type: (\w+))?"
     )
     found = {}
     for path in glob.glob(os.path.join(directory, "*static_llo_profile.textproto")):
         with open(path) as f:
-            for name, cycles, dma in pattern.findall(f.read()):
-                found[name] = (int(cycles), dma.replace("DMA_INSTRUCTION_TYPE_", ""))
+            for name, cycles, same, dma in pattern.findall(f.read()):
+                found[name] = (
+                    int(cycles),
+                    dma.replace("DMA_INSTRUCTION_TYPE_", ""),
+                    int(same or 1),
+                )
     return found
+
+
+def profiled_ops(directory: str, hlo: str, kernels: Sequence[str]) -> list[OpCycles]:
+    """The ops of the profile in ``directory`` (:func:`read_profiles`), with their runs from the
+    compiled ``hlo`` (:func:`run_counts`); ``kernels``: the Mosaic kernels' op names. An op the
+    profiler prices at 0 cycles as a remote DMA is marked unmodelled, with XLA's cost model."""
+    runs, _ = run_counts(hlo)
+    cost_model = fusion_cost_model(hlo)
+    ops = []
+    for name, (cycles, dma, same) in read_profiles(directory).items():
+        op = OpCycles(name, cycles, runs.get(name, 1), name in kernels, equivalents=same)
+        if cycles == 0 and "REMOTE" in dma:
+            op.unmodelled, op.cost_model_cycles = True, cost_model.get(name, 0)
+        ops.append(op)
+    return ops
 
 
 def fusion_cost_model(hlo: str) -> dict[str, int]:
@@ -395,6 +426,7 @@ def _child_main(argv: Sequence[str]) -> int:
             program.backend, TOPOLOGIES[tpu], program.B, program.T, program.H,
             program.value_heads or program.H, program.dk, program.dv, program.dtype,
             program.pool_dtype, config=config, gate=program.gate,
+            gate_heads=program.value_heads if program.value_gates else None,
         )  # fmt: skip
     else:
         compiled = compile_op(
@@ -541,14 +573,8 @@ def _estimate_in(work, program, tpu, kernels, xla_ops, extra_flags, timeout_s, m
         return Estimate(program, tpu, [], None, unprofiled, [], error=_tail(log, code))
     hlo = _read(work, "hlo.txt")
     meta = json.loads(_read(work, "meta.json"))
-    runs, unknown_loops = run_counts(hlo)
-    cost_model = fusion_cost_model(hlo)
-    ops = []
-    for name, (cycles, dma) in read_profiles(profile_dir).items():
-        op = OpCycles(name, cycles, runs.get(name, 1), name in meta["kernels"])
-        if cycles == 0 and "REMOTE" in dma:
-            op.unmodelled, op.cost_model_cycles = True, cost_model.get(name, 0)
-        ops.append(op)
+    _, unknown_loops = run_counts(hlo)
+    ops = profiled_ops(profile_dir, hlo, meta["kernels"])
     profiled = {op.name for op in ops}
     unprofiled = {k: v for k, v in unprofiled.items() if k not in profiled}
     return Estimate(program, tpu, ops, meta["temp_bytes"], unprofiled, unknown_loops,

@@ -202,6 +202,7 @@ def compile_decode(
     config: KernelConfig | None = None,
     decay_dtype: str | None = None,
     gate: str = "",
+    gate_heads: int | None = None,
 ):
     """Compile one decode step (``gdn2_decode`` with ``state_indices``, the pool donated, as a
     server runs it) for a TPU topology.
@@ -216,8 +217,9 @@ def compile_decode(
         token_states: also return the per-token states.
         config: the kernel config (None: the default).
         decay_dtype: g's dtype (None: ``dtype``; float32 beside bfloat16: a float32 log decay).
-        gate: ``""``, or a fused gate as for :func:`gate_keywords` (on the H heads of b and g)
+        gate: ``""``, or a fused gate as for :func:`gate_keywords` (on the heads of b and g)
             with the layers' other activations: the q/k L2 norm and the b/w sigmoids.
+        gate_heads: the heads of b and g (None: H; HV: fla's and Qwen3-Next's layout).
 
     Returns:
         The compiled executable.
@@ -231,9 +233,11 @@ def compile_decode(
     val = jax.ShapeDtypeStruct((N, S, HV, dv), dt, sharding=rep)
     pool = jax.ShapeDtypeStruct((pool_size or N, HV, dk, dv), jnp.dtype(pool_dtype), sharding=rep)
     idx = jax.ShapeDtypeStruct((N,), jnp.int32, sharding=rep)
-    decay = jax.ShapeDtypeStruct(key.shape, jnp.dtype(decay_dtype or dtype), sharding=rep)
+    gate_shape = (N, S, gate_heads or H, dk)
+    beta = jax.ShapeDtypeStruct(gate_shape, dt, sharding=rep)
+    decay = jax.ShapeDtypeStruct(gate_shape, jnp.dtype(decay_dtype or dtype), sharding=rep)
 
-    fused = gate_keywords(gate, H, dk)
+    fused = gate_keywords(gate, gate_heads or H, dk)
     if fused:
         fused.update(use_qk_l2norm_in_kernel=True, use_bw_sigmoid_in_kernel=True)
 
@@ -243,4 +247,4 @@ def compile_decode(
             return_token_states=token_states, config=config, backend=backend, **fused,
         )  # fmt: skip
 
-    return compile_for_tpu(step, key, key, val, val, key, decay, pool, idx, donate_argnums=(6,))
+    return compile_for_tpu(step, key, key, val, val, beta, decay, pool, idx, donate_argnums=(6,))

@@ -108,14 +108,14 @@ def row_of(program: Program, tpu: str, C: int) -> Row:
         notes.append(f"unprofiled (counted 0): {sorted(e.unprofiled)}")
     added_ms = 0.0
     if e.unmodelled:  # one note per row: how many ops the profiler prices at 0, and their bytes
-        priced = sum(e.op_bytes.get(op.name, 0) * op.runs for op in e.unmodelled)
+        priced = sum(e.op_bytes.get(op.name, 0) * op.times for op in e.unmodelled)
         added_ms += priced / bandwidth * 1e3
-        largest = max(e.unmodelled, key=lambda op: e.op_bytes.get(op.name, 0) * op.runs)
+        largest = max(e.unmodelled, key=lambda op: e.op_bytes.get(op.name, 0) * op.times)
         notes.append(
             f"{len(e.unmodelled)} XLA op(s) priced 0 by the profiler (remote DMA), priced here by "
             f"their HBM bytes: {priced / 1e6:.1f} MB, {priced / bandwidth * 1e3:.3f} ms at "
             f"{bandwidth / 1e9:.0f} GB/s, added (largest {largest.name}: "
-            f"{e.op_bytes.get(largest.name, 0) * largest.runs / 1e6:.1f} MB; XLA's cost model: "
+            f"{e.op_bytes.get(largest.name, 0) * largest.times / 1e6:.1f} MB; XLA's cost model: "
             f"{e.ms(sum(op.cost_model_cycles for op in e.unmodelled)):.3f} ms in all)"
         )
     fits = {op.name: (len(op.fit["points"]), op.fit["max_rel_residual"]) for op in e.ops if op.fit}
@@ -127,7 +127,7 @@ def row_of(program: Program, tpu: str, C: int) -> Row:
     kernels, kernel_bytes = {}, {}
     for op in (op for op in e.ops if op.kernel):
         profile_ms = e.ms(op.total)
-        kernel_bytes[op.name] = e.op_bytes.get(op.name, 0) * op.runs
+        kernel_bytes[op.name] = e.op_bytes.get(op.name, 0) * op.times
         floor_ms = kernel_bytes[op.name] / bandwidth * 1e3
         kernels[op.name] = max(profile_ms, floor_ms)
         if floor_ms > profile_ms:
@@ -139,7 +139,7 @@ def row_of(program: Program, tpu: str, C: int) -> Row:
     if program.value_heads and program.value_heads != program.H:
         notes.append(f"roofline: the plain call on {program.value_heads} heads (no sharing)")
     temp = e.temp_bytes / 2**20 if e.temp_bytes is not None else None
-    total_bytes = sum(e.op_bytes.get(op.name, 0) * op.runs for op in e.ops)
+    total_bytes = sum(e.op_bytes.get(op.name, 0) * op.times for op in e.ops)
     return Row(
         program, tpu, e.ms() + added_ms, roofline_ms(program, tpu, C),
         e.trustworthy and not bad_fits, temp, kernels, notes, fits, kernel_bytes, total_bytes,

@@ -94,6 +94,7 @@ class PallasTpuBackend(Backend):
         fused_activations=True,
         decode=True,
         decode_activations=True,
+        grouped_decode=True,
         chunk_states=True,
         pooled=True,
         scalar_gates=True,
@@ -210,8 +211,10 @@ class PallasTpuBackend(Backend):
         from gdn2_pallas_tpu import vjp
 
         act = spec.activations if spec.activations.any else None
+        key_groups, spec = spec.key_groups, grouped_keys.plain_spec(spec)
         groups = pool.shape[1] // spec.heads
         plan = pooled_plan(spec, config, vmem_capacity_bytes(q), act, requests.stores, groups)
+        plan, q, k = grouped_keys.read_grouped(plan, q, k, key_groups)  # flat tokens: grouped
         o, pool = vjp.gdn2_pallas_pooled(
             q, k, v, w, b, g, pool, extras.cu_seqlens, requests, plan, extras.A_log,
             extras.dt_bias,

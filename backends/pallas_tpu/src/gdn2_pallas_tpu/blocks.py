@@ -105,6 +105,19 @@ def _key_block_index(batch, head_group, step, *_, step_of: Callable, groups: int
     return (batch, step_of(step), jax.lax.div(head_group, np.int32(groups)), I0)
 
 
+def key_part(x: jax.Array, plan: Plan, head_group) -> jax.Array:
+    """Grouped keys: ``x`` ``[hb, L, d]``, the ``hb`` key heads of the step's key block ->
+    ``[hb, L, d]``, the key head of each of the step's heads (its part ``head_group % G`` of the
+    block, each key head repeated for its ``G`` heads; module docstring)."""
+    G = plan.key_groups
+    n = plan.hb // G  # key heads of this step
+    part = jax.lax.rem(head_group, np.int32(G))
+    mine = x[:n]  # [n, L, d]
+    for i in range(1, G):
+        mine = jnp.where(part == i, x[i * n : (i + 1) * n], mine)
+    return jnp.stack([mine[j // G] for j in range(plan.hb)])  # [hb, L, d]
+
+
 def _key_grad_index(batch, head_group, step, *_, step_of: Callable):
     """Grouped keys: the step's ``hb / G`` key heads' lanes of a ``(B, t_pad, H / G * d)`` gradient."""
     return (batch, step_of(step), head_group)
@@ -308,13 +321,7 @@ class TokenIO:
         if G == 1:
             return self.load(refs, d)
         x = jnp.swapaxes(refs[0][...], 0, 1)  # [hb, nc C, d]: hb key heads
-        n = plan.hb // G  # key heads of this step
-        part = jax.lax.rem(head_group, np.int32(G))
-        mine = x[:n]  # [n, nc C, d]
-        for i in range(1, G):
-            mine = jnp.where(part == i, x[i * n : (i + 1) * n], mine)
-        x = jnp.stack([mine[j // G] for j in range(plan.hb)])  # [hb, nc C, d]
-        return x.astype(F32).reshape(plan.units, plan.C, d)
+        return key_part(x, plan, head_group).astype(F32).reshape(plan.units, plan.C, d)
 
     def store(self, x: jax.Array, out, stage, sems, batch, head_group, step) -> None:
         """Write units ``x`` [U, C, d] to the output: an ordinary block store, or

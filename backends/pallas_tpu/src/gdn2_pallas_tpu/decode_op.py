@@ -1,12 +1,17 @@
 """The decode op around its kernel: the slots it is given, sanitised; the block each grid step
-maps; the platform guard.
+maps; the heads it reads grouped; the platform guard.
 
 Slots. Two sequences naming one slot would race in the kernel (kernels_decode.py: each valid step
 writes its slot by its own DMAs), and a slot out of range would be a DMA out of the pool. The
-core's ``gdn2_decode`` hands a backend sanitised slots, but the backend's ``decode`` may be called
-directly, so the op sanitises them again with the core's own rule (``gdn2core.plugin.
-sanitize_slots``: a slot out of ``[0, P)``, or named by several sequences, skips every sequence
-naming it; docs/operator.md, decode). On slots the core already sanitised it changes nothing.
+core's ``gdn2_decode`` hands a backend sanitised slots (``spec.sanitized_slots``), but the
+backend's ``decode`` may be called directly, so the op sanitises the slots of any other call with
+the core's own rule (``gdn2core.plugin.sanitize_slots``: a slot out of ``[0, P)``, or named by
+several sequences, skips every sequence naming it; docs/operator.md, decode). Doing it again on
+the core's slots would change nothing and cost the step two small XLA ops.
+
+Grouped heads (``Capabilities.grouped_decode``): q, k come with their own key heads and b, g with
+their own gate heads; the kernel reads them so where its blocks tile (``plan.key_groups``,
+``plan.gate_groups``: decode_plan.grouped_rows), else they are repeated to the value heads here.
 
 Blocks. The kernel's pool BlockSpec needs a slot for every step, skipped sequences included: a
 skipped sequence maps the slot of the nearest valid sequence before it (after it, before the
@@ -25,7 +30,7 @@ from jax import lax
 from gdn2_pallas_tpu.decode_plan import DecodePlan
 from gdn2_pallas_tpu.kernels_decode import decode_call
 from gdn2_pallas_tpu.vjp import _on_tpu_only
-from gdn2core.plugin import PAIRWISE_MAX, sanitize_slots
+from gdn2core.plugin import PAIRWISE_MAX, expand_heads, sanitize_slots
 
 
 def step_sources(slots: jax.Array) -> jax.Array:
@@ -54,15 +59,20 @@ def step_sources(slots: jax.Array) -> jax.Array:
 
 
 def gate_params(A_log, dt_bias, plan: DecodePlan) -> jax.Array | None:
-    """The fused gate's ``(HV / hb, 2, hb, K)`` float32 parameters, ``exp(A_log)`` and
-    ``dt_bias`` (zeros when absent), one contiguous ``(2, hb, K)`` block per head block (a
-    ``(2, hb, K)`` block of a ``(2, HV, K)`` array would be a strided DMA, which the TPU compiler's
-    static profile prices at 0 with the whole kernel); None without a fused gate."""
+    """The fused gate's ``(HV / hb, 2, hb / G, K)`` float32 parameters, ``exp(A_log)`` and
+    ``dt_bias`` (zeros when absent) of the gate rows the kernel reads (``G = plan.gate_groups``:
+    one per gate head, the value heads' given values being repeated), one contiguous ``(2, hb /
+    G, K)`` block per head block (such a block of a ``(2, HV, K)`` array would be a strided DMA,
+    which the TPU compiler's static profile prices at 0 with the whole kernel); None without a
+    fused gate. ``A_log`` ``(HV,)``, ``dt_bias`` ``(HV, K)``: per value head."""
     if not plan.gate:
         return None
-    a = jnp.broadcast_to(jnp.exp(A_log.astype(jnp.float32))[:, None], (plan.heads, plan.dk))
-    dt = jnp.zeros_like(a) if dt_bias is None else dt_bias.astype(jnp.float32)
-    blocks = (plan.head_blocks, plan.hb, plan.dk)
+    G = plan.gate_groups
+    rows = plan.heads // G
+    a = jnp.exp(A_log.astype(jnp.float32)[::G])  # [HV / G]
+    a = jnp.broadcast_to(a[:, None], (rows, plan.dk))
+    dt = jnp.zeros_like(a) if dt_bias is None else dt_bias.astype(jnp.float32)[::G]
+    blocks = (plan.head_blocks, plan.hb // G, plan.dk)
     return jnp.stack([a.reshape(blocks), dt.reshape(blocks)], axis=1)
 
 
@@ -70,10 +80,16 @@ def gdn2_pallas_decode(
     q, k, v, w, b, g, state, slots, plan: DecodePlan, A_log=None, dt_bias=None
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """``(o, new_state, token_states | None)`` (see :meth:`gdn2core.plugin.Backend.decode`);
+    q, k ``(N, S, H or HV, K)``, b, g ``(N, S, Hg or HV, K)`` (module docstring, grouped heads);
     ``slots`` ``(N,)`` integers of any value: each sequence's slot, or a skip (``-1``, out of
     range, or named twice: module docstring); ``A_log`` ``(HV,)``, ``dt_bias`` ``(HV, K)``: a
     fused gate's parameters (``plan.gate``)."""
-    slots = sanitize_slots(slots, plan.n_seqs, plan.pool_size)  # [N] int32, -1: skip
+    if not plan.sanitized_slots:  # a direct call (module docstring)
+        slots = sanitize_slots(slots, plan.n_seqs, plan.pool_size)  # [N] int32, -1: skip
+    if plan.key_groups == 1:  # not read grouped: repeated to the value heads (no-op if they are)
+        q, k = expand_heads(q, plan.heads), expand_heads(k, plan.heads)
+    if plan.gate_groups == 1:
+        b, g = expand_heads(b, plan.heads), expand_heads(g, plan.heads)
     call = functools.partial(decode_call, plan=plan)
     params = gate_params(A_log, dt_bias, plan)  # [HV / hb, 2, hb, K] f32, or None
     outs = _on_tpu_only(call, plan, q, k, v, w, b, g, params, state, slots, step_sources(slots))

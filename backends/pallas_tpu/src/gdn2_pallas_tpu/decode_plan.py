@@ -84,6 +84,9 @@ class DecodePlan:
     float32_decay: bool = False  # g float32 beside bfloat16 inputs (DecodeSpec.float32_decay)
     activations: Activations | None = None  # applied in the kernel (DecodeSpec.activations)
     l2norm_eps: float = L2NORM_EPS
+    key_groups: int = 1  # value heads per head of q, k as the kernel reads them (1: repeated)
+    gate_groups: int = 1  # likewise for b, g
+    sanitized_slots: bool = False  # the core's slots (DecodeSpec.sanitized_slots)
 
     @property
     def gate(self) -> bool:
@@ -113,10 +116,13 @@ class DecodePlan:
 
     @property
     def token_bytes(self) -> int:
-        """Bytes of one head's inputs of one token: q, k, b, g (``K`` each) and v, w, o (``V``
-        each); ``g`` float32 with ``float32_decay``."""
-        g_extra = (4 - self.itemsize) * self.dk if self.float32_decay else 0
-        return (4 * self.dk + 3 * self.dv) * self.itemsize + g_extra
+        """Bytes of one value head's inputs of one token: q, k, b, g (``K`` each, shared by
+        ``key_groups`` / ``gate_groups`` value heads) and v, w, o (``V`` each); ``g`` float32
+        with ``float32_decay``."""
+        g_bytes = 4 if self.float32_decay else self.itemsize
+        keys = 2 * self.dk * self.itemsize / self.key_groups
+        gates = self.dk * (self.itemsize + g_bytes) / self.gate_groups
+        return int(keys + gates + 3 * self.dv * self.itemsize)
 
     def grid(self) -> tuple[int, int]:
         """(head block, sequence): the sequences sequential (a skipped sequence revisits its
@@ -128,6 +134,19 @@ class DecodePlan:
 def _sublanes(dtype: str) -> int:
     """Rows of a token block's (heads, d) tile: 8 for float32, 16 for bfloat16 (packed)."""
     return NUM_SUBLANES * (4 // jnp.dtype(dtype).itemsize)
+
+
+def grouped_rows(plan: DecodePlan, heads: int, dtype: str) -> int:
+    """The value heads per head of a token input of ``heads`` heads (q and k: the key heads; b
+    and g: the gate heads) that the kernel reads as it is (its block: the ``hb / G`` heads of a
+    step's value heads, repeated in VMEM), or 1: it is repeated to the value heads in XLA first
+    (decode_op.py). The block must tile: ``hb / G`` all the heads, or a multiple of the
+    sublanes of ``dtype``."""
+    G = plan.heads // heads
+    if G == 1 or plan.hb % G:
+        return 1
+    rows = plan.hb // G
+    return G if rows == heads or rows % _sublanes(dtype) == 0 else 1
 
 
 def head_block(spec: DecodeSpec, fits: Callable[[int], bool] = lambda hb: True) -> int:
@@ -198,10 +217,19 @@ def make_decode_plan(
         interpret=config.interpret_mode(),
         float32_decay=spec.float32_decay,
         activations=spec.activations if spec.activations.any else None,
+        sanitized_slots=spec.sanitized_slots,
     )
     budget = int(VMEM_PLAN_SHARE * capacity)  # fewer heads a step where more would not fit
     fits = lambda hb: vmem_bytes(dataclasses.replace(plan, hb=hb))["total"] <= budget  # noqa: E731
     plan = dataclasses.replace(plan, hb=head_block(spec, fits))
+    g_dtype = "float32" if spec.float32_decay else spec.dtype
+    plan = dataclasses.replace(
+        plan,
+        key_groups=grouped_rows(plan, spec.key_heads, spec.dtype),
+        gate_groups=min(grouped_rows(plan, spec.gate_heads, d) for d in (spec.dtype, g_dtype)),
+    )
+    # b, g on the key heads are read grouped only with q, k (kernels_decode.py)
+    plan = dataclasses.replace(plan, gate_groups=min(plan.gate_groups, plan.key_groups))
     limit = vmem_limit(vmem_bytes(plan)["total"], capacity)
     return dataclasses.replace(plan, vmem_limit_bytes=limit)
 

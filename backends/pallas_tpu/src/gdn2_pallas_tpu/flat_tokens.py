@@ -33,6 +33,13 @@ Grouped value heads: v and w are read as the caller laid them out, ``(T, HV, dv)
 value columns (:func:`join_groups`). One window of ``hb G`` heads would be fewer DMAs, but the
 static profile classifies it remote and prices the whole kernel at 0.
 
+Grouped keys (``plan.key_groups = G``: b, g on the value heads, q and k with their own ``H / G``
+heads): a step's ``hb`` value heads read the window of the ``hb`` key heads holding theirs
+(shared by ``G`` steps) and take their part of it, each key head repeated ``G`` times in VMEM
+(:meth:`FlatTokens.load_keys`, blocks.py section Grouped keys), so XLA repeats no key. Scalar
+gates (``(T, heads)``, 4 bytes a head and token) are not read flat: XLA moves them into the
+chunk-aligned row (vjp.py), and the kernel reads them as any scalar gate's ``(hb, nc C)`` block.
+
 VMEM: a step's window is the one ``(nc C, hb, d)`` block of the padded row, double-buffered the
 same way (plan.vmem_bytes counts it unchanged).
 
@@ -63,11 +70,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gdn2_pallas_tpu import pooled
-from gdn2_pallas_tpu.blocks import I0, join_blocks, split_blocks
+from gdn2_pallas_tpu.blocks import I0, join_blocks, key_part, split_blocks
 from gdn2_pallas_tpu.chunk_math import iota
 from gdn2_pallas_tpu.plan import Plan
 
@@ -119,6 +127,22 @@ def _step_index(batch, head_group, step, table, steps, *, part: int, groups: int
     head, 0)``."""
     del table
     return (batch, steps[WINDOW, step], (head_group * groups + part) * hb, I0)
+
+
+def _key_index(batch, head_group, step, table, steps, *, hb: int, groups: int):
+    """Grouped keys: the element offsets of the window of ``hb`` key heads holding the key heads
+    of ``head_group`` (blocks.py, section Grouped keys)."""
+    del table
+    return (batch, steps[WINDOW, step], jax.lax.div(head_group, np.int32(groups)) * hb, I0)
+
+
+def key_specs(plan: Plan, d: int) -> list[pl.BlockSpec]:
+    """q and k: :func:`in_specs`, or with grouped keys (``plan.key_groups``, q and k of their own
+    ``H / G`` heads) the ``(nc C, hb, d)`` window of the ``hb`` key heads holding the step's."""
+    if plan.key_groups == 1:
+        return in_specs(plan, d)
+    shape = (None, pl.Element(plan.step_len), pl.Element(plan.hb), pl.Element(d))
+    return [pl.BlockSpec(shape, functools.partial(_key_index, hb=plan.hb, groups=plan.key_groups))]
 
 
 def in_specs(plan: Plan, d: int, groups: int = 1) -> list[pl.BlockSpec]:
@@ -174,6 +198,16 @@ class FlatTokens:
         plan = self.plan
         x = jnp.stack([self._chunk(refs, j, groups) for j in range(plan.nc)], axis=1)
         return x.reshape(plan.units, plan.C, d)  # [hb, nc, C, d] -> [U, C, d]
+
+    def load_keys(self, refs, d: int, head_group) -> jax.Array:
+        """q or k as float32 units ``[U, C, d]``: :meth:`load`, with grouped keys the key head of
+        each of the step's heads (:func:`blocks.key_part`)."""
+        x = self.load(refs, d)  # [U, C, d]
+        if self.plan.key_groups == 1:
+            return x
+        plan = self.plan
+        x = key_part(x.reshape(plan.hb, plan.step_len, d), plan, head_group)  # [hb, nc C, d]
+        return x.reshape(plan.units, plan.C, d)
 
     def valid(self) -> jax.Array:
         """``[U, C, 1]`` bool: the rows that are their chunk's request's tokens."""

@@ -31,6 +31,16 @@ by the chunked kernels' own functions (activations.activate_rows, on the ``[hb, 
 per head), with the gate's ``(2, hb, K)`` parameters (``exp(A_log)``, ``dt_bias``) of the step's
 heads, fetched once per head block (their block index does not change along the sequences).
 
+Grouped heads (``plan.key_groups``, ``plan.gate_groups``: decode_op.py): the q, k (b, g) blocks
+hold the ``hb / G`` heads of the step's value heads, so XLA repeats nothing before the call. With
+b, g on the key heads too (``key_groups == gate_groups = G``) every per-row quantity below (the
+decay, the read vectors, the columns, ``k . q``) is computed once per key head and value head
+``h`` takes row ``h // G``; with b, g on the value heads, value head ``h`` takes row ``h // G`` of
+q, k and its own of b, g, and its read vectors are formed per head. Nothing is repeated: doing
+that in VMEM by a small exact product (``E [q | k]``, ``E`` the 0/1 matrix of the groups) cost
+the kernel 25% at N = 64 (v5e, bf16 tokens and pool, 16 key and 32 value heads, b, g on the
+value heads: 126.6 -> 158.5 us), more than the 18 us of XLA repeats it saved.
+
 Per token, with the decay folded into the read vectors (``d = exp(g)``; the form of
 ``gdn2_jax_ref.decode``)::
 
@@ -87,13 +97,13 @@ class DecodeRefs:
 
     slots: object  # [N] int32, SMEM: each sequence's slot, -1: skip
     sources: object  # [N] int32, SMEM: the sequence whose slot each step's pool block maps
-    q: object  # [S, hb, K] tokens of this sequence and head block
+    q: object  # [S, hb / key_groups, K] tokens of this sequence and head block
     k: object
     v: object  # [S, hb, V]
     w: object
-    b: object  # [S, hb, K]
+    b: object  # [S, hb / gate_groups, K]
     g: object
-    gate_params: object | None  # [2, hb, K] f32 exp(A_log), dt_bias of a fused gate (plan.gate)
+    gate_params: object | None  # [2, hb / gate_groups, K] f32 exp(A_log), dt_bias (plan.gate)
     state_in: object  # [hb, K, V] pool dtype: the mapped slot's heads, as read (pipelined)
     o: object  # [S, hb, V]
     state_out: object  # [P, HV, K, V] pool dtype, HBM: the pool (aliased), written by DMAs
@@ -225,37 +235,50 @@ def _decode_token(
     ``dst`` [hb, K, V] (then ``after_head(h)``), o and the token state written. A bfloat16
     ``src`` (the pool's block) is read by :func:`_read_bf16`, a float32 one at
     ``MatmulPrecision.F32``."""
-    q, k, b, g = (x[s].astype(F32) for x in (r.q, r.k, r.b, r.g))  # [hb, K]
+    Gk, Gg = plan.key_groups, plan.gate_groups  # value heads per row of q, k and of b, g
+    q, k = (x[s].astype(F32) for x in (r.q, r.k))  # [hb / Gk, K]
+    b, g = (x[s].astype(F32) for x in (r.b, r.g))  # [hb / Gg, K]
     v, w = (x[s].astype(F32) for x in (r.v, r.w))  # [hb, V]
     if plan.activations is not None:  # raw -> activated, as the chunked kernels (activations.py)
-        gp = None if r.gate_params is None else r.gate_params[...]  # [2, hb, K]
+        gp = None if r.gate_params is None else r.gate_params[...]  # [2, hb / Gg, K]
         x = act.activate_rows(q, k, b, w, g, gp, plan.activations, plan.l2norm_eps)
-        q, k, b, w, g = x.q, x.k, x.b, x.w, x.g  # [hb, d]
+        q, k, b, w, g = x.q, x.k, x.b, x.w, x.g  # rows as given
     K = plan.dk
-    d = jnp.exp(g)  # [hb, K]
-    cols = jnp.swapaxes(jnp.stack([d, k]), 1, 2)  # [2, K, hb]: head h's d and k in lane h
-    reads = jnp.stack([d * b * k, d * q], axis=1)  # [hb, 2, K]
+    d = jnp.exp(g)  # [hb / Gg, K]
+    if Gk == Gg:  # one row per head of all four: each quantity once per row
+        cols = jnp.swapaxes(jnp.stack([d, k]), 1, 2)  # [2, K, hb / Gk]: row i's d, k in lane i
+        d_cols, k_cols = cols[0], cols[1]
+        reads = jnp.stack([d * b * k, d * q], axis=1)  # [hb / Gk, 2, K]
+    else:  # b, g on the value heads: the read vectors mix rows, per head below
+        d_cols, k_cols = jnp.swapaxes(d, 0, 1), jnp.swapaxes(k, 0, 1)  # [K, hb / Gg], [K, hb / Gk]
+        db = d * b  # [hb / Gg, K]
     pad = jnp.zeros((NUM_SUBLANES - 2, K), F32)  # the reads' rows padded to a sublane tile
     exact_parts = src.dtype == jnp.bfloat16
     z = w * v  # [hb, V]
-    kq = jnp.sum(k * q, axis=1, keepdims=True)  # [hb, 1]
+    kq = jnp.sum(k * q, axis=1, keepdims=True)  # [hb / Gk, 1]
     outs = []
     for h in range(plan.hb):
+        i, j = h // Gk, h // Gg  # value head h's rows of q, k and of b, g
+        if Gk == Gg:
+            read = reads[i]  # [2, K]: d b k, d q
+        else:
+            ki, qi, dj = k[i : i + 1], q[i : i + 1], d[j : j + 1]  # [1, K]
+            read = jnp.concatenate([db[j : j + 1] * ki, dj * qi])  # [2, K]
         S = src[h].astype(F32)  # [K, V]
         if exact_parts:
-            r_oq = _read_bf16(reads[h], S)  # [2, V]
+            r_oq = _read_bf16(read, S)  # [2, V]
         else:
-            lhs = jnp.concatenate([reads[h], pad])  # [8, K]: d b k, d q, zeros
+            lhs = jnp.concatenate([read, pad])  # [8, K]: d b k, d q, zeros
             r_oq = mm(lhs[None], S[None], MatmulPrecision.F32)[0]  # [8, V] on the MXU
         r_h, oq = r_oq[0:1], r_oq[1:2]  # [1, V]: S^T (d b k), S^T (d q)
         u = z[h : h + 1] - r_h  # [1, V]
-        S_new = cols[0, :, h : h + 1] * S + cols[1, :, h : h + 1] * u  # [K, V] d S + k u^T
+        S_new = d_cols[:, j : j + 1] * S + k_cols[:, i : i + 1] * u  # [K, V] d S + k u^T
         dst[h] = S_new.astype(dst.dtype)
         if after_head is not None:
             after_head(h)
         if r.token_states is not None:
             r.token_states[s, h] = S_new.astype(r.token_states.dtype)
-        outs.append(oq + kq[h : h + 1] * u)  # [1, V]
+        outs.append(oq + kq[i : i + 1] * u)  # [1, V]
     r.o[s] = (plan.scale * jnp.concatenate(outs, axis=0)).astype(r.o.dtype)  # [hb, V]
 
 
@@ -276,8 +299,10 @@ def _read_bf16(rows: jax.Array, S: jax.Array) -> jax.Array:
 
 
 def decode_call(q, k, v, w, b, g, gate_params, state, slots, sources, *, plan: DecodePlan):
-    """Tokens ``(N, S, HV, d)`` (raw with ``plan.activations``), the fused gate's parameters
-    ``(HV / hb, 2, hb, K)`` float32 (None without one: ``plan.gate``; decode_op.gate_params),
+    """Tokens ``(N, S, HV, d)`` (raw with ``plan.activations``; q, k with ``HV / key_groups``
+    heads and b, g with ``HV / gate_groups``: grouped heads, module docstring), the fused gate's
+    parameters ``(HV / hb, 2, hb / gate_groups, K)`` float32 (None without one: ``plan.gate``;
+    decode_op.gate_params),
     the pool ``(P, HV, K, V)``, ``slots`` and ``sources`` ``(N,)`` int32 -> ``(o, new_pool)``,
     plus the token states ``(N, S, HV, K, V)`` when ``plan.token_states``. The pool is updated
     in place when the caller donates it.
@@ -286,7 +311,8 @@ def decode_call(q, k, v, w, b, g, gate_params, state, slots, sources, *, plan: D
     slot would race; ``decode_op.gdn2_pallas_decode`` sanitises them; a slot out of range is
     skipped here too). ``sources``: ``decode_op.step_sources(slots)``."""
     S, hb, K, V = plan.tokens, plan.hb, plan.dk, plan.dv
-    keys = pl.BlockSpec((None, S, hb, K), _token_index)
+    keys = pl.BlockSpec((None, S, hb // plan.key_groups, K), _token_index)  # q, k
+    gates = pl.BlockSpec((None, S, hb // plan.gate_groups, K), _token_index)  # b, g
     vals = pl.BlockSpec((None, S, hb, V), _token_index)
     pool = pl.BlockSpec((None, hb, K, V), functools.partial(_state_index, pool_size=plan.pool_size))
     token_states = jax.ShapeDtypeStruct((plan.n_seqs, S, plan.heads, K, V), state.dtype)
@@ -297,11 +323,11 @@ def decode_call(q, k, v, w, b, g, gate_params, state, slots, sources, *, plan: D
         refs.Input("k", keys, k),
         refs.Input("v", vals, v),
         refs.Input("w", vals, w),
-        refs.Input("b", keys, b),
-        refs.Input("g", keys, g),
+        refs.Input("b", gates, b),
+        refs.Input("g", gates, g),
         refs.Input(
             "gate_params",
-            pl.BlockSpec((None, 2, hb, K), _head_block_index),
+            pl.BlockSpec((None, 2, hb // plan.gate_groups, K), _head_block_index),
             gate_params if plan.gate else None,
         ),
         refs.Input("state_in", pool, state),

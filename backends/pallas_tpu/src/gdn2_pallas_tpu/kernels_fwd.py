@@ -119,9 +119,16 @@ def _step(r: ForwardRefs, plan: Plan, save: bool, flat: flat_tokens.FlatTokens |
         q, k = (io.load_keys(x, K, head_group) for x in (r.q, r.k))  # [U, C, K]
         b, g = (blocks.load_gate(x, io, K, n) for n, x in (("b", r.b), ("g", r.g)))
         v, w = vio.load(r.v, V), blocks.load_gate(r.w, vio, V, "w")  # [U, C, V]
-    else:  # v, w as (T, HV, dv): G value heads per kernel head
-        q, k, b, g = (flat.load(x, K) for x in (r.q, r.k, r.b, r.g))  # [U, C, K]
-        v, w = (flat.load(x, V, plan.pool_groups) for x in (r.v, r.w))  # [U, C, V]
+    else:  # v, w as (T, HV, dv): G value heads per kernel head; scalar gates from the row
+
+        def gate(name, ref, tio, d, groups=1):  # a scalar gate's block of the row, else flat
+            scalar = plan.scalar(name)
+            return blocks.load_gate(ref, tio, d, name) if scalar else flat.load(ref, d, groups)
+
+        q, k = (flat.load_keys(x, K, head_group) for x in (r.q, r.k))  # [U, C, K]
+        b, g = gate("b", r.b, io, K), gate("g", r.g, io, K)  # [U, C, K]
+        # a scalar w only without value groups (the core broadcasts it with them)
+        v, w = flat.load(r.v, V, plan.pool_groups), gate("w", r.w, vio, V, plan.pool_groups)
     valid = None  # [U, C, 1]: the rows of requests (flat tokens) or of the sequence (fused)
     if flat is not None:
         valid = flat.valid()
@@ -219,7 +226,8 @@ def forward_call(
         flat_stage = pltpu.VMEM((G, plan.step_len, hb, V // G), v.dtype)  # FlatOutput's staging
     else:
         keys, vals = io.in_specs(K), vio.in_specs(V)
-    qk = keys if plan.flat_tokens else io.key_specs(K)  # q, k: of the key heads (key_groups)
+    # q, k: of the key heads (key_groups)
+    qk = flat_tokens.key_specs(plan, K) if plan.flat_tokens else io.key_specs(K)
     state = blocks.state_spec(plan)
     on = lambda flag, x: x if flag else None  # noqa: E731  (None: absent)
     scalar = [blocks.scalar_spec(plan, step_of)]  # a scalar gate's (hb, nc C) block

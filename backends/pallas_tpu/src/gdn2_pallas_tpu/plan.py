@@ -482,7 +482,8 @@ def pooled_plan(spec: OpSpec, config: KernelConfig, vmem_capacity: int, activati
     calls read the flat tokens (``token_rows``: ``T``, at least one grid step; flat_tokens.py)."""
     from gdn2_pallas_tpu import varlen
 
-    plan = make_plan(spec, config, vmem_capacity, activations=activations, n_seqs=spec.n_seqs)
+    plan = make_plan(spec, config, vmem_capacity, activations=activations, n_seqs=spec.n_seqs,
+                     scalar_gates=spec.scalar_gates)  # fmt: skip
     flat = plan.layout is Layout.TOKEN_MAJOR
     wasted = spec.n_seqs * (2 if stores else 1)  # chunks the requests may waste (pooled.py)
     wasted += 2 if flat else 0  # and the zero chunks' (flat_tokens.py, section Output)

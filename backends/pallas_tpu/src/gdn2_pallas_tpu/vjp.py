@@ -309,14 +309,16 @@ def _row_h0(plan: Plan) -> jax.Array:
     return jnp.zeros((1, plan.heads, plan.dk, plan.dv), jnp.float32)
 
 
-def _padded_inputs(x, lay, plan: Plan):
+def _padded_inputs(x, lay, plan: Plan, names: str = "qkvwbg"):
     """``(q, k, v, w, b, g)`` moved into the chunk-aligned row of ``lay`` (varlen.py or
-    pooled.py). A padding or filler token must leave the state
-    unchanged: g = 0, or with a fused gate the raw value whose activation is 0 (softplus(-inf) =
-    sigmoid(-inf) = 0)."""
-    *rest, g = x
+    pooled.py); only those in ``names``, the others None. A padding or filler token must leave
+    the state unchanged: g = 0, or with a fused gate the raw value whose activation is 0
+    (softplus(-inf) = sigmoid(-inf) = 0)."""
     g_fill = -jnp.inf if plan.gate else 0.0
-    return [varlen.to_padded(a, lay) for a in rest] + [varlen.to_padded(g, lay, fill=g_fill)]
+    return [
+        varlen.to_padded(a, lay, fill=g_fill if n == "g" else 0.0) if n in names else None
+        for n, a in zip("qkvwbg", x, strict=True)
+    ]
 
 
 def gdn2_pallas_varlen(q, k, v, w, b, g, seq_h0, cu_seqlens, plan: Plan, trainable: bool,
@@ -349,11 +351,19 @@ def gdn2_pallas_pooled(q, k, v, w, b, g, pool, cu_seqlens, requests, plan: Plan,
     if plan.flat_tokens:
         # The kernel reads the flat tokens (flat_tokens.py), v and w as the caller laid them out
         # (T, HV, dv): the core's (T, H, G dv) view of them and this one cancel, no relayout.
-        v, w = v.reshape(1, t, hv, dv), w.reshape(1, t, hv, dv)
-        xs = [pooled.flat_row(x, plan.step_len) for x in (q, k, v, w, b, g)]
+        # Scalar gates (4 bytes a head and token) are moved into the row like a head-major call's.
+        if not plan.scalar("w"):
+            w = w.reshape(1, t, hv, dv)
+        v = v.reshape(1, t, hv, dv)
+        x = (q, k, v, w, b, g)
+        scalar = _padded_inputs(x, lay, plan, "".join(plan.scalar_gates))  # None: not scalar
+        xs = [
+            pooled.flat_row(a, plan.step_len) if s is None else s
+            for a, s in zip(x, scalar, strict=True)
+        ]
     else:
         xs = _padded_inputs((q, k, v, w, b, g), lay, plan)
     o, _, new = gdn2_pallas_forward(*xs, _row_h0(plan), plan, ex)
     if plan.flat_tokens:  # o (1, T, HV, dv) at the flat tokens, in the core's view
-        return o[:, :t].reshape((*q.shape[:3], -1)), new.reshape(pool.shape)
+        return o[:, :t].reshape(1, t, plan.heads, -1), new.reshape(pool.shape)  # [1, T, H, dv]
     return pooled.from_padded(o, lay), new.reshape(pool.shape)

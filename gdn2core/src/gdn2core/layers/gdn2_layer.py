@@ -235,10 +235,10 @@ class GDN2Layer(nnx.Module):
         variant: ``"gdn2"``; ``"kda"`` (Kimi Delta Attention: ``b_proj`` gives one beta per
             head, the erase and write gates both, no ``w_proj``); ``"gdn"`` (Gated DeltaNet:
             beta as KDA's and ``f_proj`` one decay per head, ``dt_bias`` ``(Hg,)``). The same
-            operator call, the scalars as its scalar gates (the decode op broadcasts them, and
-            so does the ragged path; docs/operator.md, section KDA and GDN). ``lift_b`` is
-            GDN-2's alone (fla's ``allow_neg_eigval`` doubles KDA's one beta, erase and write,
-            which the fused activations do not express).
+            operator call, the scalars as its scalar gates, also from a cache and in
+            :meth:`ragged` (the decode op broadcasts them; docs/operator.md, section KDA and
+            GDN). ``lift_b`` is GDN-2's alone (fla's ``allow_neg_eigval`` doubles KDA's one
+            beta, erase and write, which the fused activations do not express).
         conv_size: kernel size of the short causal convolution on q, k, v (0 disables it).
         lift_b: erase gate in (0, 2) instead of (0, 1) (allows negative eigenvalues).
         backend: gdn2 backend name or "auto" (see ``gdn2 info``).

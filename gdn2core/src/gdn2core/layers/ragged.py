@@ -156,7 +156,7 @@ def ragged_call(
     t = x.shape[0]
     H, HV, dk, dv = layer.num_heads, layer.num_v_heads, layer.dk, layer.dv
     qkv = [layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)]  # [T, channels], before the convs
-    w, b, g = layer.raw_gates(x)  # raw: the operator applies the activations
+    w, b, g = layer.raw_gates(x, scalar=True)  # raw (the operator activates); KDA's, GDN's scalar
     shapes = ((t, H, dk), (t, H, dk), (t, HV, dv))
     meta = dict(
         cu_seqlens=cu_seqlens, state_indices=state_indices, has_initial_state=has_initial_state,

@@ -119,14 +119,17 @@ def empty_call(
     return o, h0, jnp.zeros((spec.batch, 0, *h0.shape[1:]), h0.dtype)  # [B, 0, HV, dk, dv]
 
 
-def backend_inputs(backend: Backend, spec: OpSpec, args, h0, extras: OpExtras):
+def backend_inputs(
+    backend: Backend, spec: OpSpec, args, h0, extras: OpExtras, pooled: bool = False
+):
     """What the backend receives for a call: ``(view, (q, k, v, w, b, g), h0, extras | None)``:
     scalar gates broadcast unless it takes them (and w's always under grouped value heads, whose
     kernel heads have ``G * dv`` value channels), the activations applied in XLA unless it fuses
-    them, a float32 ``g`` beside bfloat16 inputs cast to their dtype unless it takes it, grouped value heads resolved (q, k not repeated for a backend that reads them grouped,
-    ``view.key_groups``; with b, g on the key heads ``view.value_groups`` says how v, w were
-    grouped), and the extras (None when the call has no packed
-    sequences and no fused activations)."""
+    them, a float32 ``g`` beside bfloat16 inputs cast to their dtype unless it takes it, grouped
+    value heads resolved (q, k not repeated for a backend that reads them grouped,
+    ``view.key_groups``, which is not done with ``cu_seqlens`` unless ``pooled``: the ragged op's
+    pooled forward; with b, g on the key heads ``view.value_groups`` says how v, w were grouped),
+    and the extras (None when the call has no packed sequences and no fused activations)."""
     q, k, v, w, b, g = args
     caps = backend.capabilities
     in_xla = spec.activations.any and not caps.fused_activations
@@ -150,7 +153,7 @@ def backend_inputs(backend: Backend, spec: OpSpec, args, h0, extras: OpExtras):
         caps.grouped_keys
         and spec.groups > 1
         and spec.gate_heads == spec.value_heads
-        and spec.segments != SegmentMode.CU_SEQLENS
+        and (spec.segments != SegmentMode.CU_SEQLENS or pooled)
     )
     gq, gk, gv, gw, gh0 = group_call(spec, q, k, v, w, h0, repeat_keys=not grouped)
     if grouped:

@@ -46,10 +46,12 @@ class DecodeShape:
     HV: int
     dk: int
     dv: int
+    gate_heads: int = 0  # heads of b and g: H (0) or HV
 
     @property
     def label(self) -> str:
-        return f"N={self.N} S={self.S} H={self.H} HV={self.HV} dk={self.dk} dv={self.dv}"
+        gates = f" Hg={self.gate_heads}" if self.gate_heads else ""
+        return f"N={self.N} S={self.S} H={self.H} HV={self.HV}{gates} dk={self.dk} dv={self.dv}"
 
     def pool_bytes(self, pool_dtype: str) -> int:
         """Bytes of the N named slots (read once and written once per step)."""
@@ -79,6 +81,11 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         help="--tpu: the layers' fused activations on the step, with this gate: 'softplus' or a "
         "lower bound ('-5'), plus the q/k L2 norm and the b/w sigmoids; default none",
     )  # fmt: skip
+    p.add_argument(
+        "--value-gates",
+        action="store_true",
+        help="b and g on the HV value heads (fla's and Qwen3-Next's layout; default: the H key heads)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="report folder")
     args = p.parse_args(list(argv))
@@ -106,8 +113,8 @@ def _inputs(shape: DecodeShape, dtype: str, pool_dtype: str, seed: int):
     from gdn2_conformance import Decay, DecodeCase, make_decode_inputs
 
     case = DecodeCase(
-        N=shape.N, S=shape.S, H=shape.H, HV=shape.HV, dk=shape.dk, dv=shape.dv, P=shape.N,
-        decay=Decay.MODEL, seed=seed,
+        N=shape.N, S=shape.S, H=shape.H, HV=shape.HV, gate_heads=shape.gate_heads, dk=shape.dk,
+        dv=shape.dv, P=shape.N, decay=Decay.MODEL, seed=seed,
     )  # fmt: skip
     return make_decode_inputs(case, jnp.dtype(dtype), jnp.dtype(pool_dtype))
 
@@ -247,8 +254,8 @@ def drift(row: str, shape: DecodeShape, dtype: str, steps: int, seed: int) -> di
 
     one = dataclasses.replace(shape, S=1)
     case = DecodeCase(
-        N=one.N, S=steps, H=one.H, HV=one.HV, dk=one.dk, dv=one.dv, P=one.N,
-        decay=Decay.MODEL, seed=seed,
+        N=one.N, S=steps, H=one.H, HV=one.HV, gate_heads=one.gate_heads, dk=one.dk, dv=one.dv,
+        P=one.N, decay=Decay.MODEL, seed=seed,
     )  # fmt: skip
     x = make_decode_inputs(case, jnp.dtype(dtype))  # S = steps tokens, one per step
     mine, ref = _step(row), _step(REFERENCE)
@@ -294,6 +301,7 @@ def static_rows(
         program = Program(
             name, "decode", shape.N, shape.S, shape.H, shape.dk, shape.dv, dtype,
             value_heads=shape.HV, pool_dtype=pool_dtype, gate=gate,
+            value_gates=shape.gate_heads == shape.HV != shape.H,
         )  # fmt: skip
         kernels = estimate(program, tpu, xla_ops=False, extra_flags=[NO_MSA_FLAG])
         xla = estimate(program, tpu, kernels=False, extra_flags=[NO_MSA_FLAG])
@@ -387,8 +395,9 @@ def decode_main(argv: Sequence[str]) -> int:
     args = _parse(argv)
     names = [n.strip() for n in args.backends.split(",")] if args.backends else None
     rows, skipped = decode_rows(names)
+    gate_heads = args.value_heads if args.value_gates else 0
     shapes = [
-        DecodeShape(n, args.tokens, args.heads, args.value_heads, args.dk, args.dv)
+        DecodeShape(n, args.tokens, args.heads, args.value_heads, args.dk, args.dv, gate_heads)
         for n in args.sizes
     ]
     results: dict[str, Any] = {

@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import inspect
 import json
+import math
 import os
 import re
 import shutil
@@ -139,11 +140,32 @@ class Heads:
     dv: int
     dtype: str
     pool_dtype: str
+    gates: str = ""  # a key of gdn2_tools.tpu.SCALAR_GATES: which gates come scalar, (T, heads)
+    value_gates: bool = False  # b, g on the value heads (fla's, Qwen3-Next's), else the key heads
+
+    @property
+    def gate_heads(self) -> int:
+        return self.HV if self.value_gates else self.H
 
     @property
     def label(self) -> str:
         shape = f"H={self.H} HV={self.HV} dk={self.dk} dv={self.dv}"
-        return f"{shape} {self.dtype}, {self.pool_dtype} pool"
+        scalar = f", {self.gates.upper()}'s scalar gates" if self.gates else ""
+        where = "value" if self.value_gates else "key"
+        return f"{shape} {self.dtype}, {self.pool_dtype} pool, b and g on the {where} heads{scalar}"
+
+    @property
+    def scalar(self) -> tuple[str, ...]:
+        """The gates passed as one value per head and token."""
+        from gdn2_tools.tpu import SCALAR_GATES
+
+        return SCALAR_GATES[self.gates]
+
+    def token_shapes(self, t: int) -> tuple[tuple[int, ...], ...]:
+        """The shapes of ``(q, k, v, w, b, g)`` for ``t`` flat tokens."""
+        key, val, gate = (t, self.H, self.dk), (t, self.HV, self.dv), (t, self.gate_heads, self.dk)
+        full = dict(zip("qkvwbg", (key, key, val, val, gate, gate), strict=True))
+        return tuple(full[n][:2] if n in self.scalar else full[n] for n in "qkvwbg")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,7 +285,7 @@ def make_step(kind: str, scenario: Scenario, every: int | None, backend: str):
 
 
 def token_inputs(scenario: Scenario, heads: Heads, pool_size: int, seed: int, *, kit: bool):
-    """``(q, k, v, w, b, g, pool)`` of a step: b and g on the key heads.
+    """``(q, k, v, w, b, g, pool)`` of a step: b and g on ``heads.gate_heads``.
 
     ``kit``: drawn by the conformance kit's generator (``Decay.MODEL``, float64 NumPy first: for
     the gate's small sizes); else the same distributions drawn by ``jax.random`` in the target
@@ -276,28 +298,35 @@ def token_inputs(scenario: Scenario, heads: Heads, pool_size: int, seed: int, *,
         from gdn2_conformance import Decay, DecodeCase, make_decode_inputs
 
         case = DecodeCase(
-            N=1, S=t, H=heads.H, HV=heads.HV, dk=heads.dk, dv=heads.dv, P=pool_size,
-            decay=Decay.MODEL, seed=seed,
+            N=1, S=t, H=heads.H, HV=heads.HV, gate_heads=heads.gate_heads, dk=heads.dk,
+            dv=heads.dv, P=pool_size, decay=Decay.MODEL, seed=seed,
         )  # fmt: skip
         x = make_decode_inputs(case, dt, jnp.dtype(heads.pool_dtype))
-        return (*(a[0] for a in x.args), x.state)
+        return (*scalar_gates(tuple(a[0] for a in x.args), heads), x.state)
     ks = jax.random.split(jax.random.PRNGKey(seed), 8)
     key_shape, val_shape = (t, heads.H, heads.dk), (t, heads.HV, heads.dv)
+    gate_shape = (t, heads.gate_heads, heads.dk)
 
     def unit(key):
         x = jax.random.normal(key, key_shape)
         return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
 
-    a = jax.random.uniform(ks[6], (heads.H, 1), minval=1.0, maxval=16.0)
+    a = jax.random.uniform(ks[6], (heads.gate_heads, 1), minval=1.0, maxval=16.0)
     xs = (
         unit(ks[0]), unit(ks[1]), jax.random.normal(ks[2], val_shape),
         jax.nn.sigmoid(jax.random.normal(ks[3], val_shape)),
-        jax.nn.sigmoid(jax.random.normal(ks[4], key_shape)),
-        -a * jax.nn.softplus(jax.random.normal(ks[5], key_shape) - 3.0),
+        jax.nn.sigmoid(jax.random.normal(ks[4], gate_shape)),
+        -a * jax.nn.softplus(jax.random.normal(ks[5], gate_shape) - 3.0),
     )  # fmt: skip
     pool_shape = (pool_size, heads.HV, heads.dk, heads.dv)
     pool = 0.5 * jax.random.normal(ks[7], pool_shape)
-    return (*(x.astype(dt) for x in xs), pool.astype(heads.pool_dtype))
+    return (*scalar_gates(tuple(x.astype(dt) for x in xs), heads), pool.astype(heads.pool_dtype))
+
+
+def scalar_gates(x: tuple, heads: Heads) -> tuple:
+    """``(q, k, v, w, b, g)`` with the gates ``heads.scalar`` names as their first channel, one
+    value per head and token."""
+    return tuple(a[..., 0] if n in heads.scalar else a for n, a in zip("qkvwbg", x, strict=True))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -400,7 +429,8 @@ def hbm_bound_us(scenario: Scenario, step: Step, heads: Heads, tpu: str) -> floa
 
     slot = heads.HV * heads.dk * heads.dv * jnp.dtype(heads.pool_dtype).itemsize
     n_slots = int(step.has_initial_state.sum()) + len(scenario.lens) + step.stored
-    per_token = (4 * heads.H * heads.dk + 3 * heads.HV * heads.dv) * jnp.dtype(heads.dtype).itemsize
+    per_token = sum(math.prod(shape) for shape in heads.token_shapes(1))  # q, k, v, w, b, g
+    per_token = (per_token + heads.HV * heads.dv) * jnp.dtype(heads.dtype).itemsize  # and o
     return (n_slots * slot + scenario.tokens * per_token) / HBM_BYTES_PER_S[tpu] * 1e6
 
 
@@ -466,14 +496,14 @@ def _compile_main(argv: Sequence[str]) -> int:
     def spec(shape, dtype):
         return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=rep)
 
-    key, val = spec((t, heads.H, heads.dk), dt), spec((t, heads.HV, heads.dv), dt)
+    x = [spec(shape, dt) for shape in heads.token_shapes(t)]
     pool = spec((step.pool_size, heads.HV, heads.dk, heads.dv), heads.pool_dtype)
     meta = [spec(a.shape, a.dtype) if a is not None else None for a in (
         step.cu_seqlens, step.state_indices, step.has_initial_state, step.context_lens,
         step.checkpoint_slots,
     )]  # fmt: skip
     fn = make_step(job["kind"], scenario, every, job["backend"])
-    compiled = compile_for_tpu(fn, key, key, val, val, key, key, pool, *meta, donate_argnums=(6,))
+    compiled = compile_for_tpu(fn, *x, pool, *meta, donate_argnums=(6,))
     hlo = compiled.as_text()
     Path(work, "hlo.txt").write_text(hlo)
     kernels = re.findall(r'%(\S+) = [^\n]*custom_call_target="tpu_custom_call"', hlo)
@@ -531,8 +561,7 @@ def static_estimate(
         ONLY_FLAG,
         PROFILE_FLAG,
         Estimate,
-        OpCycles,
-        fusion_cost_model,
+        profiled_ops,
         read_profiles,
         run_counts,
     )  # fmt: skip
@@ -580,14 +609,8 @@ def static_estimate(
             return Estimate(job, tpu, [], None, unprofiled, [], error=error)
         hlo = Path(work, "hlo.txt").read_text()
         meta = json.loads(Path(work, "meta.json").read_text())
-        runs, unknown = run_counts(hlo)
-        cost = fusion_cost_model(hlo)
-        ops = []
-        for name, (cycles, dma) in read_profiles(profile_dir).items():
-            op = OpCycles(name, cycles, runs.get(name, 1), name in meta["kernels"])
-            if cycles == 0 and "REMOTE" in dma:
-                op.unmodelled, op.cost_model_cycles = True, cost.get(name, 0)
-            ops.append(op)
+        _, unknown = run_counts(hlo)
+        ops = profiled_ops(profile_dir, hlo, meta["kernels"])
         profiled = {op.name for op in ops}
         unprofiled = {k: v for k, v in unprofiled.items() if k not in profiled}
         return Estimate(job, tpu, ops, meta["temp_bytes"], unprofiled, unknown)
@@ -859,6 +882,17 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--dv", type=int, default=128)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--pool-dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument(
+        "--gates",
+        choices=("kda", "gdn"),
+        default="",
+        help="pass KDA's (w, b) or GDN's (w, b, g) gates as one value per head and token",
+    )
+    p.add_argument(
+        "--value-gates",
+        action="store_true",
+        help="b and g on the value heads (fla's and Qwen3-Next's layout; default: the key heads)",
+    )
     p.add_argument("--backend", default=None, help="the timed backend (default: auto's pick here)")
     p.add_argument(
         "--tpu-backend", default=None, help="estimated backend (default: auto's on a TPU)"
@@ -903,7 +937,10 @@ def serve_main(argv: Sequence[str]) -> int:
     import platform
 
     args = _parse(argv)
-    heads = Heads(args.heads, args.value_heads, args.dk, args.dv, args.dtype, args.pool_dtype)
+    heads = Heads(
+        args.heads, args.value_heads, args.dk, args.dv, args.dtype, args.pool_dtype, args.gates,
+        args.value_gates,
+    )  # fmt: skip
     everies = [None] + ([args.checkpoint_every] if args.checkpoint_every else [])
     takes = bool(decode_keywords(args.scenarios[0]))
     note = (

@@ -40,12 +40,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from gdn2core.backend import Backend
 from gdn2core.checks import is_float32_decay, state_dtype
 from gdn2core.config import DEFAULT_CONFIG, KernelConfig
 from gdn2core.features.activations import apply_activations, check_gate_params
 from gdn2core.features.scalar_gates import broadcast_gates
 from gdn2core.ops.decode.spec import DecodeSpec, backend_decay, expand_heads, sanitize_slots
-from gdn2core.options import FeatureArgs, Features, OpExtras
+from gdn2core.options import NO_ACTIVATIONS, Activations, FeatureArgs, Features, OpExtras
 from gdn2core.platform import call_platform
 from gdn2core.selection import AUTO, resolve_decode_backend
 
@@ -163,7 +164,7 @@ def gdn2_decode(
             its reason).
     """
     parsed = Features.parse(features, op="gdn2_decode", packed=False)
-    spec, resolved, config, activations, chosen = _resolve(
+    spec, _, config, activations, chosen = _resolve(
         q, k, v, w, b, g, state, state_indices, scale, return_token_states, config, backend,
         parsed,
     )  # fmt: skip
@@ -172,21 +173,56 @@ def gdn2_decode(
     fused = activations.any and chosen.capabilities.decode_activations
     if activations.any and not fused:  # an activated g is float32 beside bfloat16 inputs
         q, k, w, b, g = apply_activations(activations, q, k, w, b, g, extras.A_log, extras.dt_bias)
-        resolved = dataclasses.replace(resolved, float32_decay=is_float32_decay(g.dtype, q.dtype))
     slots = sanitize_slots(state_indices, spec.n_seqs, spec.pool_size)
-    resolved, g = backend_decay(resolved, g, chosen.capabilities.float32_decay)
-    xs = [expand_heads(x, spec.heads) for x in (q, k)]
-    gates = [expand_heads(x, spec.heads) for x in (b, g)]
-    more = {}  # the raw inputs and the gate's parameters, for a backend that fuses them
-    if fused:
-        resolved = dataclasses.replace(resolved, activations=activations)
-        more["extras"] = decode_extras(extras, spec.heads, state_dtype(q.dtype))
-    o, new_state, token_states = chosen.decode(
-        *xs, v, w, *gates, state, slots, spec=resolved, config=config, **more
-    )
+    o, new_state, token_states = backend_decode(
+        chosen, spec, (q, k, v, w, b, g), state, slots, config,
+        activations if fused else NO_ACTIVATIONS, extras,
+    )  # fmt: skip
     if return_token_states:
         return o, new_state, token_states
     return o, new_state
+
+
+def backend_decode(
+    chosen: Backend, spec: DecodeSpec, x, state, slots, config: KernelConfig,
+    activations: Activations, extras: OpExtras,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:  # fmt: skip
+    """Run a validated decode call on ``chosen`` (``gdn2_decode``, and the ragged op's decodes).
+
+    Args:
+        chosen: the backend.
+        spec: the call's spec, with its own key and gate heads (not resolved).
+        x: ``(q, k, v, w, b, g)``, the gates broadcast to their channels; activated by the core,
+            or raw when ``activations.any``.
+        state: the pool.
+        slots: ``(N,)`` int32 slots sanitised by the core (:func:`sanitize_slots`).
+        config: the kernel config.
+        activations: those the backend applies itself (``Capabilities.decode_activations``),
+            else :data:`NO_ACTIVATIONS`.
+        extras: the fused gate's parameters (``A_log``, ``dt_bias`` on the gate heads).
+
+    Returns:
+        The backend's ``(o, new_state, token_states | None)``. q, k, b and g are repeated to the
+        value heads unless it reads them grouped (``Capabilities.grouped_decode``); a float32 g
+        beside bfloat16 inputs reaches it as it is only with ``Capabilities.float32_decay``.
+    """
+    q, k, v, w, b, g = x
+    caps = chosen.capabilities
+    resolved = dataclasses.replace(
+        spec.resolved(), float32_decay=is_float32_decay(g.dtype, q.dtype), sanitized_slots=True
+    )
+    if caps.grouped_decode:
+        resolved = dataclasses.replace(
+            resolved, key_heads=spec.key_heads, gate_heads=spec.gate_heads
+        )
+    else:
+        q, k, b, g = (expand_heads(a, spec.heads) for a in (q, k, b, g))
+    resolved, g = backend_decay(resolved, g, caps.float32_decay)
+    more = {}  # the gate's parameters, for a backend that applies the activations itself
+    if activations.any:
+        resolved = dataclasses.replace(resolved, activations=activations)
+        more["extras"] = decode_extras(extras, spec.heads, state_dtype(q.dtype))
+    return chosen.decode(q, k, v, w, b, g, state, slots, spec=resolved, config=config, **more)
 
 
 def decode_extras(extras: OpExtras, heads: int, dtype) -> OpExtras:

@@ -48,7 +48,8 @@ class DecodeSpec:
 
     A backend's ``decode`` receives the resolved spec (:meth:`resolved`): grouped value heads are
     expanded and scalar gates broadcast by the core, so there ``key_heads == gate_heads ==
-    heads`` and ``scalar_gates == ()``.
+    heads`` (unless it declares ``Capabilities.grouped_decode``: then they are the call's) and
+    ``scalar_gates == ()``.
     """
 
     n_seqs: int  # N
@@ -69,6 +70,9 @@ class DecodeSpec:
     #: the fused activations a backend applies itself (Capabilities.decode_activations; set by
     #: gdn2core.ops.decode.api on the spec it hands such a backend, else none)
     activations: Activations = NO_ACTIVATIONS
+    #: the slots the backend gets are the core's sanitised ones (:func:`sanitize_slots`; set by
+    #: the core on the spec it hands a backend; False: a direct call, whose slots may be anything)
+    sanitized_slots: bool = False
 
     @property
     def group(self) -> int:

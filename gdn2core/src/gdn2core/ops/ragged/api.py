@@ -24,7 +24,6 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from gdn2core.config import DEFAULT_CONFIG, KernelConfig
-from gdn2core.features.scalar_gates import broadcast_gates
 from gdn2core.ops.ragged.mesh import head_plan, sharded_ragged
 from gdn2core.ops.ragged.pooled import run_pooled
 from gdn2core.ops.ragged.run import Call, run_decodes, run_packed, start_states
@@ -133,7 +132,6 @@ def gdn2_ragged(
         context_lens=context_lens, checkpoint_slots=checkpoint_slots, draft_slots=draft_slots,
         num_decodes=num_decodes, decode_len=decode_len,
     )  # fmt: skip
-    spec, w, b, g = broadcast_gates(spec, w, b, g)  # scalar gates: on every channel
     if config is None:
         config = DEFAULT_CONFIG
     elif not isinstance(config, KernelConfig):

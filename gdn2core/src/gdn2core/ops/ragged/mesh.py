@@ -127,8 +127,9 @@ def sharded_ragged(fn, plan: HeadPlan, x, pool, metadata: dict, features: dict):
     head_names = [n for n in per_head if features.get(n) is not None]
     rest = {n: v for n, v in features.items() if n not in head_names}
     args = (*x, pool, *meta, *(jnp.asarray(features[n]) for n in head_names))
+    gates = [tok if len(a.shape) == 3 else PartitionSpec(None, h) for a in x]  # scalar: (T, H)
     specs = (
-        *(tok,) * 6, slots, *(PartitionSpec(),) * len(meta), *(per_head[n] for n in head_names)
+        *gates, slots, *(PartitionSpec(),) * len(meta), *(per_head[n] for n in head_names)
     )  # fmt: skip
     args = reshard_explicit(plan.mesh, args, specs)
 

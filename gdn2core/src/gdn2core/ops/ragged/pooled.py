@@ -91,7 +91,7 @@ def run_pooled(call: Call, x, pool: jax.Array) -> tuple[jax.Array, jax.Array] | 
     acc = state_dtype(spec.dtype)
     empty = jnp.zeros((0, *pool.shape[1:]), acc)
     given = OpExtras(cu_seqlens=cu, A_log=extras.A_log, dt_bias=extras.dt_bias)
-    view, inputs, _, more = backend_inputs(chosen, op, row, empty, given)
+    view, inputs, _, more = backend_inputs(chosen, op, row, empty, given, pooled=True)
     # An empty request writes its start to its slot: nothing to do, but for a new one (zeros).
     lens = cu[1:] - cu[:-1]  # [n]
     fresh = (lens == 0) & (requests.starts == FROM_ZEROS) & (requests.writes >= 0)

@@ -18,13 +18,14 @@ import jax.numpy as jnp
 
 from gdn2core.checks import state_dtype
 from gdn2core.features.activations import apply_activations
+from gdn2core.features.scalar_gates import broadcast_gates
 from gdn2core.indexing import count_at_most
-from gdn2core.ops.decode.api import decode_extras
-from gdn2core.ops.decode.spec import DecodeSpec, backend_decay, expand_heads
+from gdn2core.ops.decode.api import backend_decode
+from gdn2core.ops.decode.spec import DecodeSpec
 from gdn2core.ops.forward.api import forward_continued, gdn2_forward, which_backend
 from gdn2core.ops.ragged import pieces as pc
 from gdn2core.ops.ragged.spec import RaggedSlots, RaggedSpec
-from gdn2core.options import Features
+from gdn2core.options import NO_ACTIVATIONS, Features
 from gdn2core.platform import call_platform
 from gdn2core.registry import get_backend
 from gdn2core.selection import AUTO, resolve_decode_backend
@@ -116,6 +117,8 @@ def run_decodes(call: Call, x, pool: jax.Array) -> tuple[jax.Array, jax.Array, j
     token_cuts = bool(spec.draft_cols) or bool(spec.checkpoint_cols and s > 1)
     indices = jax.ShapeDtypeStruct((d,), jnp.int32)  # the call's, checked already
     dspec = DecodeSpec.from_inputs(q, k, v, w, b, g, pool, indices, spec.scale, token_cuts)
+    # Scalar gates on every channel: the decode kernels take full gates (ops/decode/api.py).
+    dspec, w, b, g = broadcast_gates(dspec, w, b, g)
     chosen = resolve_decode_backend(
         dspec.resolved(), call.config, call.backend, platform=call_platform(x[0])
     )  # fmt: skip
@@ -131,16 +134,9 @@ def run_decodes(call: Call, x, pool: jax.Array) -> tuple[jax.Array, jax.Array, j
     zero = jnp.zeros((1, *pool.shape[1:]), pool.dtype)  # a slot of zeros
     fresh = (slots.state[:d] >= 0) & ~call.flags[:d]  # [D] new requests start from zeros
     pool = write_slots(pool, fresh, slots.state[:d], lambda pool, i: zero)
-    dspec = DecodeSpec.from_inputs(q, k, v, w, b, g, pool, indices, spec.scale, token_cuts)
-    dspec, g = backend_decay(dspec.resolved(), g, chosen.capabilities.float32_decay)
-    heads = spec.heads
-    more = {}  # the raw inputs and the gate's parameters, for a backend that fuses them
-    if fused:
-        dspec = dataclasses.replace(dspec, activations=act)
-        more["extras"] = decode_extras(extras, heads, state_dtype(spec.dtype))
-    od, pool, token_states = chosen.decode(
-        expand_heads(q, heads), expand_heads(k, heads), v, w, expand_heads(b, heads),
-        expand_heads(g, heads), pool, slots.state[:d], spec=dspec, config=call.config, **more,
+    od, pool, token_states = backend_decode(
+        chosen, dspec, (q, k, v, w, b, g), pool, slots.state[:d], call.config,
+        act if fused else NO_ACTIVATIONS, extras,
     )  # fmt: skip
     if token_cuts:
         flat = token_states.reshape(-1, *token_states.shape[2:])  # [D S, HV, dk, dv]
