@@ -108,8 +108,8 @@ def test_scalar_float32_g_compiles_on_v5e(heads, dtype):
 @pytest.mark.parametrize("topology", ["v5e:1x1", "v6e:1x1"])
 def test_decode_compiles_with_float32_g(topology):
     """The decode kernel, bfloat16 tokens and a float32 g (N = 8, S = 4, 16 key heads, 32 value
-    heads, d = 128, a bfloat16 pool): Mosaic compiles it, and its g operand is float32 (the core
-    repeats g to the 32 value heads: ``(8, 4, 32, 128)``); before, the core rounded g."""
+    heads, d = 128, a bfloat16 pool): Mosaic compiles it, and its g operand is float32 (on the 16
+    key heads, which the kernel reads grouped: ``(8, 4, 16, 128)``); before, the core rounded g."""
     text = compile_decode(
         "pallas_tpu", topology, 8, 4, 16, 32, 128, 128, "bfloat16", "bfloat16",
         pool_size=24, decay_dtype="float32",
@@ -117,7 +117,7 @@ def test_decode_compiles_with_float32_g(topology):
     (kernel,) = [line for line in text.splitlines() if "tpu_custom_call" in line]
     assert "gdn2_decode" in kernel
     operands = kernel.split("operand_layout_constraints={")[1].split("}}")[0]
-    assert _f32_arrays_of(operands, (8, 4, 32, 128)) == 1, operands
+    assert _f32_arrays_of(operands, (8, 4, 16, 128)) == 1, operands
 
 
 def _train_step(q, k, v, w, b, g, do):
