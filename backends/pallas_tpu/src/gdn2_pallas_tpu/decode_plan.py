@@ -138,10 +138,10 @@ def _sublanes(dtype: str) -> int:
 
 def grouped_rows(plan: DecodePlan, heads: int, dtype: str) -> int:
     """The value heads per head of a token input of ``heads`` heads (q and k: the key heads; b
-    and g: the gate heads) that the kernel reads as it is (its block: the ``hb / G`` heads of a
-    step's value heads, repeated in VMEM), or 1: it is repeated to the value heads in XLA first
-    (decode_op.py). The block must tile: ``hb / G`` all the heads, or a multiple of the
-    sublanes of ``dtype``."""
+    and g: the gate heads) that the kernel reads as it is (its block: the ``hb / G`` rows of a
+    step's value heads, each value head taking row ``h // G``; kernels_decode.py), or 1: it is
+    repeated to the value heads in XLA first (decode_op.py). The block must tile: ``hb / G`` all
+    the heads, or a multiple of the sublanes of ``dtype``."""
     G = plan.heads // heads
     if G == 1 or plan.hb % G:
         return 1
@@ -223,13 +223,10 @@ def make_decode_plan(
     fits = lambda hb: vmem_bytes(dataclasses.replace(plan, hb=hb))["total"] <= budget  # noqa: E731
     plan = dataclasses.replace(plan, hb=head_block(spec, fits))
     g_dtype = "float32" if spec.float32_decay else spec.dtype
-    plan = dataclasses.replace(
-        plan,
-        key_groups=grouped_rows(plan, spec.key_heads, spec.dtype),
-        gate_groups=min(grouped_rows(plan, spec.gate_heads, d) for d in (spec.dtype, g_dtype)),
-    )
-    # b, g on the key heads are read grouped only with q, k (kernels_decode.py)
-    plan = dataclasses.replace(plan, gate_groups=min(plan.gate_groups, plan.key_groups))
+    key_groups = grouped_rows(plan, spec.key_heads, spec.dtype)
+    # b (and g, perhaps float32) must tile too, and are read grouped only with q, k
+    gates = [grouped_rows(plan, spec.gate_heads, d) for d in (spec.dtype, g_dtype)]
+    plan = dataclasses.replace(plan, key_groups=key_groups, gate_groups=min(*gates, key_groups))
     limit = vmem_limit(vmem_bytes(plan)["total"], capacity)
     return dataclasses.replace(plan, vmem_limit_bytes=limit)
 
