@@ -26,7 +26,7 @@ C32 = KernelConfig(bt=32, interpret=True)
 # H up to 8) and up to 24 / hb chunks in a grid step: H=2 runs 2 heads x 4 chunks, H=3 and H=6
 # several heads with padding of T to whole steps, H=8 8 heads x 3 chunks. T=1 and T below a chunk
 # run one chunk per step; T=200 at C=16 runs several steps (the carried state and dS), with the
-# chain of entry states inside a step.
+# chain of entry states inside a step; T=300 bf16 runs three steps from states saved in bfloat16.
 CASES = {
     "T1_H2_d64_f32": (1, 2, 64, 64, "float32", True, SMALL, 0.1),
     "T16_H2_k64v128_f32_noh0": (16, 2, 64, 128, "float32", False, SMALL, 0.1),
@@ -35,6 +35,7 @@ CASES = {
     "T100_H3_k64v128_f32_C32": (100, 3, 64, 128, "float32", True, C32, 0.1),
     "T48_H2_d128_f32_strong_decay": (48, 2, 128, 128, "float32", True, SMALL, 0.6),
     "T50_H2_d64_bf16": (50, 2, 64, 64, "bfloat16", True, SMALL, 0.1),
+    "T300_H2_d128_bf16_several_steps": (300, 2, 128, 128, "bfloat16", True, SMALL, 0.1),
     "T150_H6_k64v128_bf16_noh0": (150, 6, 64, 128, "bfloat16", False, SMALL, 0.1),
     "T130_H2_d64_f32_default_config": (
         130, 2, 64, 64, "float32", True, DEFAULT_CONFIG.model_copy(update={"interpret": True}), 0.1,

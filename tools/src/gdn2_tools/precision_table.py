@@ -16,14 +16,16 @@ import sys
 from collections.abc import Sequence
 from typing import Final
 
-#: (input dtype, label, stages overridden to one bf16 pass).
+#: (input dtype, label, stages overridden to one bf16 pass, dtype of the saved step states or
+#: None for the plan's own: ``Plan.saved_state_dtype``).
 VARIANTS: Final = (
-    ("float32", "all bf16x3 (three bf16 passes)", ()),
-    ("float32", "scores in one bf16 pass, rest bf16x3", ("scores", "score_grads")),
-    ("float32", "WY inverse in one bf16 pass, rest bf16x3", ("inverse",)),
-    ("float32", "`Y`, `U` in one bf16 pass", ("wy",)),
-    ("float32", "state pass in one bf16 pass", ("state",)),
-    ("bfloat16", "all one bf16 pass", ()),
+    ("float32", "all bf16x3 (three bf16 passes)", (), None),
+    ("float32", "scores in one bf16 pass, rest bf16x3", ("scores", "score_grads"), None),
+    ("float32", "WY inverse in one bf16 pass, rest bf16x3", ("inverse",), None),
+    ("float32", "`Y`, `U` in one bf16 pass", ("wy",), None),
+    ("float32", "state pass in one bf16 pass", ("state",), None),
+    ("bfloat16", "all one bf16 pass (step states saved in bfloat16)", (), None),
+    ("bfloat16", "all one bf16 pass, step states saved in float32", (), "float32"),
 )
 
 
@@ -46,8 +48,11 @@ def _outputs_and_grads(fn, inp):
     return (o, h), vjp((inp.do.astype(o.dtype), inp.dh.astype(h.dtype)))
 
 
-def worst_errors(dtype: str, bf16_stages: Sequence[str], T: int, H: int, d: int):
-    """Worst relative error of the outputs and of the gradients over the cases."""
+def worst_errors(
+    dtype: str, bf16_stages: Sequence[str], T: int, H: int, d: int, states: str | None = None
+):
+    """Worst relative error of the outputs and of the gradients over the cases (``states``: the
+    saved step states' dtype, None for the plan's)."""
     import jax
     import jax.numpy as jnp
 
@@ -64,6 +69,8 @@ def worst_errors(dtype: str, bf16_stages: Sequence[str], T: int, H: int, d: int)
     plan = make_plan(
         OpSpec(1, T, H, d, d, dtype, d**-0.5), KernelConfig(interpret=True), precisions=precisions
     )
+    if states is not None:
+        plan = dataclasses.replace(plan, saved_state_dtype=states)
 
     def pallas(q, k, v, w, b, g, h0):
         o, h, _ = gdn2_pallas_trainable(q, k, v, w, b, g, h0, NO_EXTRAS, plan)
@@ -87,15 +94,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("-T", type=int, default=256)
     p.add_argument("-H", type=int, default=2)
     p.add_argument("-d", type=int, default=128, help="dk = dv")
+    p.add_argument(
+        "--only-dtype", choices=("float32", "bfloat16"), help="the rows of one input dtype only"
+    )
     args = p.parse_args(argv)
     import jax
 
     jax.config.update("jax_enable_x64", True)  # the float64 reference
     print(f"T={args.T} H={args.H} dk=dv={args.d}, pallas_tpu in TPU interpret mode", flush=True)
+    if args.only_dtype:
+        print(f"(the {args.only_dtype} rows only)")
     print("| inputs | products | worst forward | worst gradient |")
     print("| --- | --- | --- | --- |")
-    for dtype, label, stages in VARIANTS:
-        fwd, grad = worst_errors(dtype, stages, args.T, args.H, args.d)
+    for dtype, label, stages, states in VARIANTS:
+        if args.only_dtype and dtype != args.only_dtype:
+            continue
+        fwd, grad = worst_errors(dtype, stages, args.T, args.H, args.d, states)
         print(f"| {dtype} | {label} | {fwd:.1e} | {grad:.1e} |", flush=True)
     return 0
 

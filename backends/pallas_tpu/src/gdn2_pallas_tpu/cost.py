@@ -45,7 +45,8 @@ def residual_bytes(plan: Plan) -> int:
 
     rs = jnp.dtype(plan.residual_dtype).itemsize
     units = plan.batch * plan.heads * plan.n_steps * plan.nc
-    states = plan.batch * plan.heads * plan.n_steps * plan.dk * plan.dv * F32_BYTES
+    ss = jnp.dtype(plan.saved_state_dtype).itemsize
+    states = plan.batch * plan.heads * plan.n_steps * plan.dk * plan.dv * ss
     return units * plan.C * plan.C * rs + states
 
 

@@ -54,7 +54,7 @@ class BackwardRefs:
     seq_h0: object | None  # [N, H, K, V] f32 in HBM: per-sequence initial states (plan.varlen)
     seq_dh_final: object | None  # [N, H, K, V] f32 in HBM (plan.varlen)
     TA: object  # [U / pack, C, pack C] saved A_qk (lower, diagonal), T^T (upper), lane-packed
-    state_in: object  # [hb, K, V] f32 saved state entering the step
+    state_in: object  # [hb, K, V] saved state entering the step (plan.saved_state_dtype)
     dh_final: object  # [hb, K, V] f32
     grads: tuple  # dq, dk, dv, dw, db, dg: in HBM (HEAD_MAJOR; dv, dw with grouped values), or
     #   [nc C, hb, d] blocks; a scalar gate's gradient: its [hb, nc C] f32 block; dq, dk with
@@ -127,7 +127,7 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
         return r.seq_tmp[...]
 
     # Pass 0: entry states and residual writes of the step's chunks.
-    S = r.state_in[...]  # [hb, K, V]
+    S = r.state_in[...].astype(F32)  # [hb, K, V]
     S_in, R_all = [], []
     for j in range(plan.nc):
         if seqs is not None:  # a sequence's first chunk starts from its own h0

@@ -54,7 +54,7 @@ class ForwardRefs:
     seq_h_final: object | None  # [N, H, K, V] f32 in HBM: per-sequence final states (plan.varlen),
     #   or the pool (plan.pooled, aliased to seq_h0)
     TA_out: object | None  # [U / pack, C, pack C] residual: A_qk (lower), T^T (upper), lane-packed
-    state_out: object | None  # [hb, K, V] f32: the state entering this step
+    state_out: object | None  # [hb, K, V] plan.saved_state_dtype: the state entering this step
     chunks_out: object | None  # [nc, hb, K, V] f32: the state entering each chunk of the step
     #   (plan.chunk_states; [nc, hb G, K, V / G] with plan.value_groups = G)
     # Scratch.
@@ -89,7 +89,7 @@ def _forward_kernel(r: ForwardRefs, *, plan: Plan, save: bool):
         r.S[...] = r.h0[...]
 
     if save:
-        r.state_out[...] = r.S[...]
+        r.state_out[...] = r.S[...].astype(r.state_out.dtype)
 
     if not plan.flat_tokens:
         _step(r, plan, save, None)
@@ -265,7 +265,11 @@ def forward_call(
             packed,
             on(save, jax.ShapeDtypeStruct((*res, *plan.residual_block), plan.residual_dtype)),
         ),
-        refs.Output("state_out", entry, on(save, jax.ShapeDtypeStruct((*res, hb, K, V), F32))),
+        refs.Output(
+            "state_out",
+            entry,
+            on(save, jax.ShapeDtypeStruct((*res, hb, K, V), plan.saved_state_dtype)),
+        ),
         refs.Output(  # the chunk-entry states (B, n_steps nc, H, K, V)
             "chunks_out",
             blocks.chunk_states_spec(plan),

@@ -198,6 +198,8 @@ class Plan:
     value_groups: int = 1  # value heads per head of v, w, o (grouped_values.py):
     #   read and written as the caller's (B, t_pad, value_groups H, dv / value_groups)
     float32_decay: bool = False  # g (and dg) float32 beside bfloat16 inputs (OpSpec.float32_decay)
+    saved_state_dtype: str = "float32"  # the train forward's saved step-entry states
+    #   (saved_state_dtype_for; the backward rebuilds the chunks' states from them in float32)
 
     def scalar(self, name: str) -> bool:
         """Whether the kernels read gate ``name`` (and write its gradient) as a scalar gate."""
@@ -318,6 +320,14 @@ def precisions_for(dtype: str) -> Precisions:
     return Precisions.uniform(MatmulPrecision.BF16X3)
 
 
+def saved_state_dtype_for(precisions: Precisions) -> str:
+    """dtype of the state the training forward saves at every grid step for the backward:
+    bfloat16 when the state's products round it to bfloat16 (bfloat16 inputs), as fla saves its
+    chunk states in the inputs' dtype; float32 otherwise. The backward rebuilds the chunks'
+    states from it in float32 (docs/algorithm.md section 10, "Saved states")."""
+    return "bfloat16" if precisions.state is MatmulPrecision.BF16 else "float32"
+
+
 def gate_savings(plan: Plan) -> int:
     """Bytes per token and head that the gates take less than ``d`` values of the input dtype
     each: a scalar gate is one float32 (4 bytes instead of ``d`` values); a float32 ``g`` beside
@@ -419,6 +429,7 @@ def make_plan(
             scalar_gates=tuple(scalar_gates),
             uniform_gate=spec.uniform_gate,
             float32_decay=spec.float32_decay,
+            saved_state_dtype=saved_state_dtype_for(precs),
         )
         need = max(vmem_bytes(plan, False)["total"], vmem_bytes(plan, True)["total"])
         if need <= budget or (nc == 1 and hb == 1):
