@@ -29,6 +29,28 @@ def test_train_step_compiles_for_v5e_within_memory_budget(dtype):
     assert temp <= TEMP_LIMIT_BYTES, f"temp {temp / 2**20:.1f} MiB > 256 MiB"
 
 
+@pytest.mark.parametrize("value_heads", [0, 32], ids=["H16", "H16-HV32"])
+def test_long_context_train_step_within_memory_budget(value_heads):
+    """B=1 T=32768 H=16 d=128 bf16 on v5e: the temp HBM is the residuals and little else. With 16
+    heads, the bfloat16 state entering each of the 256 grid steps of 2 head groups (128 MiB) and
+    the packed ``T`` | ``A_qk`` (64 MiB); with 32 value heads (b, g on the key heads: 16 heads of
+    ``2 x 128`` value channels), 4 chunks a step in training (``nc C >= dv``, plan.py) keep the
+    states at 128 MiB, not 256. The cotangent arrives in o's dtype, as a model's does, so no
+    converted copy of it sits beside them."""
+    from gdn2_pallas_tpu.plan import make_plan
+    from gdn2core.ops.forward.spec import OpSpec
+
+    dv = 128 * (value_heads // 16 if value_heads else 1)  # the kernels' value width
+    spec = OpSpec(1, 32768, 16, 128, dv, "bfloat16", 1.0)
+    plan = make_plan(spec, DEFAULT_CONFIG, 128 * 2**20, training=True)
+    assert cost.residual_bytes(plan) == 192 * 2**20
+    compiled = compile_for_tpu("v5e:1x1", "train", 1, 32768, 16, 128, 128, "bfloat16",
+                               DEFAULT_CONFIG, value_heads=value_heads)  # fmt: skip
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= cost.residual_bytes(plan) + 4 * 2**20, f"temp {temp / 2**20:.1f} MiB"
+    assert temp <= TEMP_LIMIT_BYTES
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_eight_heads_token_major_compile_in_place(dtype):
     """H = 8: the kernels read the public (B, T, H, d) arrays in (nc C, 8, d) blocks, 8 heads x 4

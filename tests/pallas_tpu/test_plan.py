@@ -40,6 +40,24 @@ def test_blocking(H, T, hb, nc):
     assert plan.t_pad % plan.step_len == 0 and plan.t_pad >= T
 
 
+@pytest.mark.parametrize(
+    ("dv", "T", "planned", "trained"),
+    [(128, 32768, 2, 2), (256, 32768, 2, 4), (256, 67 * 64, 1, 4), (256, 128, 2, 2)],
+    ids=["dv128", "dv256", "dv256-prime-chunks-padded", "dv256-two-chunks"],
+)
+def test_training_plan_saves_at_most_a_key_per_token_of_state(dv, T, planned, trained):
+    """A training plan takes ``nc C >= dv`` tokens a step (the smallest such divisor of the
+    chunks, else padded; at most the chunks there are), so the state it saves per step
+    (``dk dv`` per head) is at most ``dk`` values per token: 16 heads at dv = 256 (grouped value
+    heads on 8-head steps) go from 2 to 4 chunks a step; dv = 128 keeps the planned 2."""
+    spec = OpSpec(1, T, 16, 128, dv, "bfloat16", 1.0)
+    plan = make_plan(spec, DEFAULT_CONFIG, V5E)
+    train = make_plan(spec, DEFAULT_CONFIG, V5E, training=True)
+    assert (plan.hb, plan.nc, train.hb, train.nc) == (8, planned, 8, trained)
+    if train.n_steps > 1:  # the step states per token and head: at most dk values
+        assert train.n_steps * 128 * dv <= train.t_pad * 128
+
+
 def test_blocking_shrinks_to_fit_a_small_vmem():
     big = make_plan(OpSpec(1, 4096, 6, 256, 256, "float32", 1.0), LONG_CHUNKS, V5E)
     small = make_plan(OpSpec(1, 4096, 6, 256, 256, "float32", 1.0), LONG_CHUNKS, 16 * 2**20)

@@ -40,7 +40,8 @@ def test_float32_g_roofline_adds_its_bytes():
 
 
 def test_input_specs_take_g_in_its_own_dtype():
-    """``--g-dtype float32``: the compiled program's g is float32 beside bf16 q, k, v, w, b."""
+    """``--g-dtype float32``: the compiled program's g is float32 beside bf16 q, k, v, w, b; the
+    cotangent of o is in the inputs' dtype."""
     import jax.numpy as jnp
     from jax.sharding import Mesh
 
@@ -51,6 +52,8 @@ def test_input_specs_take_g_in_its_own_dtype():
                         decay_dtype=jnp.float32)  # fmt: skip
     assert [s.dtype for s in specs[:6]] == [jnp.bfloat16] * 5 + [jnp.float32]
     assert specs[5].shape == (1, 8, 2)
+    # h0, do, dh: the cotangent of o in o's dtype (as a model's arrives), the states' in float32
+    assert [s.dtype for s in specs[6:]] == [jnp.float32, jnp.bfloat16, jnp.float32]
 
 
 def _row(monkeypatch, points, residual):

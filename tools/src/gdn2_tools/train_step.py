@@ -64,7 +64,8 @@ def input_specs(
     Args:
         mesh: the mesh.
         B, T, H, dk, dv: the shape.
-        dtype: the input dtype (h0, dh are float32; do is float32).
+        dtype: the input dtype, and do's: the upstream gradient of o arrives in o's dtype in a
+            model, as ``gdn2 bench`` passes it (h0 and dh are float32, the state's dtype).
         batch_axes, head_axes, context_axis: mesh axes sharding batch, heads and time (None or
             ``()``: replicated).
         scalar_gates: the gates (of ``"w"``, ``"b"``, ``"g"``) given as ``(B, T, H)`` scalar
@@ -85,7 +86,7 @@ def input_specs(
     key = jax.ShapeDtypeStruct((B, T, H, dk), dtype, sharding=tok)
     val = jax.ShapeDtypeStruct((B, T, H, dv), dtype, sharding=tok)
     state = jax.ShapeDtypeStruct((B, H, dk, dv), jnp.float32, sharding=st)
-    dout = jax.ShapeDtypeStruct((B, T, H, dv), jnp.float32, sharding=tok)
+    dout = jax.ShapeDtypeStruct((B, T, H, dv), dtype, sharding=tok)
     per_token = NamedSharding(
         mesh, PartitionSpec(entry(batch_axes), context_axis, entry(head_axes))
     )

@@ -167,7 +167,7 @@ class PallasTpuBackend(Backend):
         else:
             segments = spec.segments == SegmentMode.IDS
             plan = make_plan(spec, config, capacity, segments=segments, activations=act,
-                             scalar_gates=spec.scalar_gates)  # fmt: skip
+                             scalar_gates=spec.scalar_gates, training=trainable)  # fmt: skip
             plan, q, k = grouped_keys.read_grouped(plan, q, k, groups)
             plan = grouped_values.read_grouped(plan, spec.value_groups)
             ex = vjp.Extras(

@@ -10,7 +10,15 @@ H=6 d=128): one unit per step costs about 4x the cycles of ``hb=6, nc=4`` per ch
 - ``hb``: the largest divisor of H not above ``MAX_HEADS_PER_STEP`` (8); the layout of the token
   arrays follows from H (:class:`Layout`);
 - ``nc``: up to ``MAX_STEP_ROWS / (hb C)`` chunks, preferring a divisor of the number of chunks
-  (no padding), reduced until the VMEM byte model fits the budget.
+  (no padding), reduced until the VMEM byte model fits the budget. A training plan (the training
+  forward and the backward) takes at least ``dv / C`` chunks (``nc C >= dv`` tokens a step): the
+  state it saves for the backward at every step, ``dk x dv`` per head, is then at most ``dk``
+  values per token and head, as much as the token's key. At ``dv = 128`` that is what the rows
+  give already; at ``dv = 256`` (grouped value heads with b, g on the key heads run as ``G dv``
+  wide heads) it doubles ``nc`` to 4: the train step's temp HBM at B=1 T=32768 H=16 HV=32 d=128
+  bf16 on v5e 322 -> 194 MiB, its kernels 0.9% slower (docs/results.md). The ``cu_seqlens``
+  row (:func:`varlen_plan`) keeps the planned ``nc`` in training too: its chunk table is checked
+  against SMEM for that one plan.
 
 The sequence is padded at the end with zero tokens (``k = 0, g = 0`` leave the state unchanged) to
 a whole number of steps, ``t_pad = ceil(T / (nc C)) nc C``.
@@ -382,11 +390,14 @@ def make_plan(
     n_seqs: int = 0,
     chunk_states: bool = False,
     scalar_gates: tuple[str, ...] = (),
+    training: bool = False,
 ) -> Plan:
     """The plan of one call (see the module docstring for the choices); ``n_seqs``: the
     sequences of a ``cu_seqlens`` call (0 otherwise; :func:`varlen_plan` gives the row);
     ``chunk_states``: an inference forward that also writes every chunk's entry state;
-    ``scalar_gates``: the gates read as one value per head and token (``spec.scalar_gates``).
+    ``scalar_gates``: the gates read as one value per head and token (``spec.scalar_gates``);
+    ``training``: the plan of the training forward and the backward (at least ``dv / C`` chunks a
+    step, so that the saved step states stay small).
 
     Raises:
         TypeError: ``config`` is another backend's config class (:class:`PallasTpuConfig`).
@@ -405,6 +416,10 @@ def make_plan(
     nc = max(d for d in range(1, nc_max + 1) if n_chunks % d == 0)
     if nc < nc_max // 2:  # e.g. a prime number of chunks: pad rather than lose the batching
         nc = nc_max
+    nc_states = min(MAX_CHUNKS_PER_STEP, n_chunks, -(-spec.dv // C))  # nc C >= dv
+    if training and nc < nc_states:  # the smallest divisor of the chunks from there, else pad
+        fits = range(nc_states, min(MAX_CHUNKS_PER_STEP, n_chunks) + 1)
+        nc = next((d for d in fits if n_chunks % d == 0), nc_states)
     while True:
         plan = Plan(
             batch=spec.batch,

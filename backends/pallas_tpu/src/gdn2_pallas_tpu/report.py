@@ -22,19 +22,23 @@ def kernel_costs(spec: OpSpec, config: KernelConfig) -> list[KernelCost]:
     from gdn2_pallas_tpu.plan import F32_BYTES, make_plan, vmem_bytes
 
     plan = make_plan(spec, config)
+    train = make_plan(spec, config, training=True)  # the training forward's and the backward's
     K, V, s = spec.dk, spec.dv, plan.itemsize
     token_heads = spec.batch * spec.heads * spec.seq_len
     state = spec.batch * spec.heads * K * V * F32_BYTES
-    notes = (
-        f"grid (B, H / hb, steps) = {plan.grid()}; {plan.hb} head(s) x {plan.nc} chunk(s) of "
-        f"{plan.C} tokens per step (T padded to {plan.t_pad}); MXU {plan.precisions}"
-    )
+
+    def notes(p) -> str:
+        return (
+            f"grid (B, H / hb, steps) = {p.grid()}; {p.hb} head(s) x {p.nc} chunk(s) of "
+            f"{p.C} tokens per step (T padded to {p.t_pad}); MXU {p.precisions}"
+        )
+
     fwd_min = (4 * K + 3 * V) * s * token_heads + 2 * state
     bwd_min = (8 * K + 5 * V) * s * token_heads + 3 * state
     kernels = (
-        ("gdn2_fwd (inference)", cost.cost_forward(plan, False), fwd_min, vmem_bytes(plan, False)),
-        ("gdn2_fwd_train (saves residuals)", cost.cost_forward(plan, True), fwd_min, vmem_bytes(plan, False)),
-        ("gdn2_bwd", cost.cost_backward(plan), bwd_min, vmem_bytes(plan, True)),
+        ("gdn2_fwd (inference)", plan, cost.cost_forward(plan, False), fwd_min, vmem_bytes(plan, False)),
+        ("gdn2_fwd_train (saves residuals)", train, cost.cost_forward(train, True), fwd_min, vmem_bytes(train, False)),
+        ("gdn2_bwd", train, cost.cost_backward(train), bwd_min, vmem_bytes(train, True)),
     )  # fmt: skip
     return [
         KernelCost(
@@ -44,8 +48,8 @@ def kernel_costs(spec: OpSpec, config: KernelConfig) -> list[KernelCost]:
             bytes_accessed=c["bytes_accessed"],
             min_bytes_accessed=minimum,
             vmem_bytes=vmem,
-            vmem_limit_bytes=plan.vmem_limit_bytes,
-            notes=notes,
+            vmem_limit_bytes=p.vmem_limit_bytes,
+            notes=notes(p),
         )
-        for name, c, minimum, vmem in kernels
+        for name, p, c, minimum, vmem in kernels
     ]
