@@ -40,7 +40,7 @@ def test_long_context_train_step_within_memory_budget(value_heads):
     from gdn2_pallas_tpu.plan import make_plan
     from gdn2core.ops.forward.spec import OpSpec
 
-    dv = 128 * (value_heads // 16 if value_heads else 1)  # the kernels' value width
+    dv = 128 * max(1, value_heads // 16)  # the kernels' value width
     spec = OpSpec(1, 32768, 16, 128, dv, "bfloat16", 1.0)
     plan = make_plan(spec, DEFAULT_CONFIG, 128 * 2**20, training=True)
     assert cost.residual_bytes(plan) == 192 * 2**20

@@ -416,10 +416,11 @@ def make_plan(
     nc = max(d for d in range(1, nc_max + 1) if n_chunks % d == 0)
     if nc < nc_max // 2:  # e.g. a prime number of chunks: pad rather than lose the batching
         nc = nc_max
-    nc_states = min(MAX_CHUNKS_PER_STEP, n_chunks, -(-spec.dv // C))  # nc C >= dv
-    if training and nc < nc_states:  # the smallest divisor of the chunks from there, else pad
-        fits = range(nc_states, min(MAX_CHUNKS_PER_STEP, n_chunks) + 1)
-        nc = next((d for d in fits if n_chunks % d == 0), nc_states)
+    if training:  # nc C >= dv: the smallest divisor of the chunks from there, else pad
+        cap = min(MAX_CHUNKS_PER_STEP, n_chunks)
+        nc_min = min(cap, -(-spec.dv // C))
+        if nc < nc_min:
+            nc = next((d for d in range(nc_min, cap + 1) if n_chunks % d == 0), nc_min)
     while True:
         plan = Plan(
             batch=spec.batch,
