@@ -51,6 +51,28 @@ def test_long_context_train_step_within_memory_budget(value_heads):
     assert temp <= TEMP_LIMIT_BYTES
 
 
+@pytest.mark.parametrize(("topology", "hb"), [("v5e:1x1", 6), ("v5p:1x1x1", 3)])
+def test_plans_give_both_tensor_cores_of_a_device_work(monkeypatch, topology, hb):
+    """B=1 H=6: on v5e (one TensorCore) all 6 heads a step; on v5p (two TensorCores per device,
+    which split the "parallel" grid points) 3, so that the grid has two head groups, one per core.
+    The backend reads the cores from the sharding of the traced inputs (the deviceless compile's
+    topology), as it reads the VMEM; the forward and the train step's plans both follow."""
+    from gdn2_pallas_tpu import backend
+
+    plans = []
+
+    def spy(*args, **kwargs):
+        plans.append(make_plan(*args, **kwargs))
+        return plans[-1]
+
+    make_plan = backend.make_plan
+    monkeypatch.setattr(backend, "make_plan", spy)
+    for mode in ("forward", "train"):
+        compiled = compile_for_tpu(topology, mode, 1, 2048, 6, 128, 128, "bfloat16", DEFAULT_CONFIG)
+        assert "tpu_custom_call" in compiled.as_text()
+    assert [(p.hb, p.grid()[:2]) for p in plans] == [(hb, (1, 6 // hb))] * 2
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_eight_heads_token_major_compile_in_place(dtype):
     """H = 8: the kernels read the public (B, T, H, d) arrays in (nc C, 8, d) blocks, 8 heads x 4

@@ -55,6 +55,11 @@ def test_head_block_holds_two_mebibytes_tiles_the_token_blocks_and_keeps_two_ste
     assert head_block(_spec(HV=4)) == 4  # all heads (a full dimension tiles)
     assert head_block(_spec(HV=32, dk=64, dv=64)) == 32  # 16 KiB a head: all 32
     assert head_block(_spec(HV=12)) == 12  # no multiple of 8 divides 12 but itself
+    # two TensorCores per device (v5p) split the head blocks: an even number of them
+    assert head_block(_spec(HV=32, dk=64, dv=64), cores=2) == 16
+    assert head_block(_spec(), cores=2) == 16
+    assert head_block(_spec(HV=64), cores=2) == 32  # 2 blocks already
+    assert head_block(_spec(HV=12), cores=2) == 12  # no smaller block tiles 12 heads
 
 
 def test_plan_vmem_and_refusals():

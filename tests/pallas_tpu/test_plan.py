@@ -41,6 +41,30 @@ def test_blocking(H, T, hb, nc):
 
 
 @pytest.mark.parametrize(
+    ("B", "H", "cores", "hb"),
+    [
+        (1, 6, 1, 6),  # one TensorCore: the largest divisor, as ever
+        (1, 6, 2, 3),  # two: 2 head groups, one per core, 8 chunks a step (the same 24 units)
+        (2, 6, 2, 6),  # the batch rows already split evenly
+        (3, 6, 2, 3),  # 3 rows x 2 head groups
+        (1, 7, 2, 7),  # no divisor splits 7 heads evenly: unchanged
+        (1, 8, 2, 8),  # token-major blocks hold 8 heads: one group (a copy would cost more)
+        (1, 16, 2, 8),
+    ],
+)
+def test_heads_per_step_give_each_tensor_core_as_many_grid_points(B, H, cores, hb):
+    """On a chip with two TensorCores per device (v5p) the compiler splits the "parallel" grid
+    points (batch row, head group) between them: the plan takes the largest ``hb`` that gives
+    both as many, where one exists."""
+    spec = OpSpec(B, 4096, H, 128, 128, "bfloat16", 1.0)
+    plan = make_plan(spec, DEFAULT_CONFIG, V5E, cores=cores)
+    assert plan.hb == hb
+    assert plan.units == make_plan(spec, DEFAULT_CONFIG, V5E).units  # nc makes up the rows
+    interpreted = PallasTpuConfig(bt=64, interpret=True, interpret_cores=cores)
+    assert make_plan(spec, interpreted, V5E).hb == hb  # interpret mode: its simulated cores
+
+
+@pytest.mark.parametrize(
     ("dv", "T", "planned", "trained"),
     [(128, 32768, 2, 2), (256, 32768, 2, 4), (256, 67 * 64, 1, 4), (256, 128, 2, 2)],
     ids=["dv128", "dv256", "dv256-prime-chunks-padded", "dv256-two-chunks"],

@@ -13,7 +13,9 @@ least, so that both cores work (each case asserts it of its plan): B = 2, or two
 (H = 10: hb = 5 head-major, H = 16: hb = 8 token-major, and 16 value heads reading 8 key
 heads, grouped keys; H = 16 with 32 value heads of 128 channels, grouped values; H = 10 with
 scalar gates and cu_seqlens), or two decode head blocks (HV = 64,
-d = 64: hb = 32).
+d = 64: hb = 32). Two cases have them only because the plans block for the two cores (as for a
+v5p, plan.py): B = 1 with H = 6 takes 3 heads a step (6 on one core), and 32 decode heads take
+two blocks of 16 (one of 32 on one core).
 
 Every run is also checked against the token-serial reference (the conformance kit's float32
 tolerances, gdn2_conformance.metrics: the same bounds as the plain interpret-mode tests, since
@@ -297,6 +299,9 @@ CASES = {
     "inference_B2_H3": (_check_inference, _feature(B=2, T=150, H=3, seed=2), 12),
     "train_H10_head_major_two_head_groups": (_check_train, _feature(T=150, H=10, seed=3), 13),
     "train_H16_token_major_two_head_groups": (_check_train, _feature(T=150, H=16, seed=4), 14),
+    "train_B1_H6_head_groups_for_two_cores": (  # hb 6 -> 3: the plan splits for the 2 cores
+        _check_train, _feature(T=150, H=6, seed=13), 23,
+    ),
     "train_segments_B2": (
         _check_train, _feature(B=2, T=2 * C + 7, H=2, rows=segment_rows(C), seed=5), 15,
     ),
@@ -316,6 +321,9 @@ CASES = {
     "train_scalar_gates_varlen_H10": (  # GDN's gates: the pair decay, the scalar blocks
         _with_scalar_gates(_check_train),
         _feature(T=2 * C + 7, H=10, seqlens=varlen_lengths(C), seed=11), 21,
+    ),
+    "decode_HV32_head_blocks_for_two_cores": (  # hb 32 -> 16: the plan splits for the 2 cores
+        _check_decode, DecodeCase(N=3, S=2, H=32, HV=32, dk=64, dv=64, P=5, seed=14), 24,
     ),
     "decode_HV64_two_head_blocks": (
         _check_decode, DecodeCase(N=3, S=2, H=64, HV=64, dk=64, dv=64, P=5, seed=9), 19,

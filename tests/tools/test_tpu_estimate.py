@@ -233,3 +233,29 @@ def test_a_profile_of_identical_ops_counts_each_of_them(tmp_path):
     assert ops["gdn2_decode.1"].total == 29179 and ops["gdn2_decode.1"].kernel
     assert ops["broadcast.9"].equivalents == 4 and not ops["broadcast.9"].kernel
     assert ops["broadcast.9"].runs == 3 and ops["broadcast.9"].total == 131 * 4 * 3
+
+
+def test_fit_points_are_planned_like_the_target_on_two_tensor_cores():
+    """On v5p the plans split the heads for an odd batch (B=1 H=6: 3 heads a step) and not for an
+    even one, so the small shapes of a fit take the target batch's parity; one-core chips fit at
+    B=1."""
+    from gdn2_tools.tpu_estimate import FIT_POINTS, fit_points
+
+    assert fit_points(8, "v5e") == fit_points(8, "v6e") == FIT_POINTS
+    assert [b for b, _ in fit_points(8, "v5p")] == [2, 2, 2]
+    assert fit_points(1, "v5p") == fit_points(3, "v5p") == FIT_POINTS
+    assert [t for _, t in fit_points(8, "v5p")] == [t for _, t in FIT_POINTS]
+
+
+def test_every_tool_prices_the_same_chips():
+    """One table (chips.py) gives the topologies, clocks, peaks and HBM bounds of every tool."""
+    from gdn2_tools import tpu_report
+    from gdn2_tools.bench.decode import HBM_BYTES_PER_S
+    from gdn2_tools.chips import CHIPS
+    from gdn2_tools.static_profile import CLOCK_HZ
+    from gdn2_tools.tpu import TOPOLOGIES
+
+    assert set(TOPOLOGIES) == set(CLOCK_HZ) == set(tpu_estimate.PEAKS) == set(tpu_report.PEAKS)
+    assert set(HBM_BYTES_PER_S) == set(CHIPS) == {"v5e", "v6e", "v5p"}
+    assert tpu_estimate.PEAKS["v5e"] == (197e12, 819e9) and CLOCK_HZ["v6e"] == 1.75e9
+    assert TOPOLOGIES["v5p"] == "v5p:1x1x1" and CHIPS["v5p"].tensor_cores == 2

@@ -45,10 +45,10 @@ import time
 from collections.abc import Sequence
 from typing import Final
 
-#: Clock of one TensorCore. v5e: 197 TFLOP/s bf16 / (4 MXUs x 128 x 128 x 2) = 1.5 GHz. v6e:
-#: not published; 918 TFLOP/s / (4 x 256 x 256 x 2) = 1.75 GHz matches what the profiler charges
-#: for a bf16 matmul (its HBM time is not modelled on v6e: HBM-bound ops read as too fast there).
-CLOCK_HZ: Final = {"v5e": 1.5e9, "v6e": 1.75e9}
+from gdn2_tools.chips import CHIPS
+
+#: Clock of a TensorCore (chips.py: how each is derived, and where HBM time is not modelled).
+CLOCK_HZ: Final = {name: chip.clock_hz for name, chip in CHIPS.items()}
 PROFILE_FLAG: Final = "--xla_jf_dump_static_llo_profile_to="
 ONLY_FLAG: Final = "--xla_jf_dump_only_matching_hlo="
 NO_MSA_FLAG: Final = "--xla_msa_enable=false"
@@ -514,7 +514,7 @@ def estimate(
 
     Args:
         program: what to compile.
-        tpu: ``"v5e"`` or ``"v6e"``.
+        tpu: a chip of :data:`gdn2_tools.chips.CHIPS` (``"v5e"``, ``"v6e"``, ``"v5p"``).
         kernels: profile the Pallas kernels.
         xla_ops: profile the XLA ops.
         extra_flags: more libtpu flags.
@@ -609,7 +609,7 @@ def estimate_fit(program: Program, tpu: str, points: Sequence[tuple[int, int]], 
 
     Args:
         program: the program at the size to report.
-        tpu: ``"v5e"`` or ``"v6e"``.
+        tpu: a chip of :data:`gdn2_tools.chips.CHIPS` (``"v5e"``, ``"v6e"``, ``"v5p"``).
         points: at least two small ``(B, T)`` shapes.
         **kw: passed to :func:`estimate`.
 

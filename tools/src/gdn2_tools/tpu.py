@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from gdn2_tools.chips import CHIPS
 from gdn2core.config import KernelConfig
 from gdn2core.ops.forward.api import gdn2_forward
 
-#: One chip of each TPU generation the tools compile for.
-TOPOLOGIES: Final = {"v5e": "v5e:1x1", "v6e": "v6e:1x1"}
+#: One chip of each TPU generation the tools compile for (chips.py).
+TOPOLOGIES: Final = {name: chip.topology for name, chip in CHIPS.items()}
 
 
 @functools.cache

@@ -3,7 +3,8 @@ chunk states (``return_chunk_states=True``), per kernel, from the TPU compiler's
 estimate (:mod:`gdn2_tools.static_profile`), next to the roofline of the operator and to the
 pure-JAX chunked backend compiled by XLA for the same TPU.
 
-The Pallas kernels are simulated at :data:`FIT_POINTS` and extrapolated linearly in ``B * T``;
+The Pallas kernels are simulated at :data:`FIT_POINTS` (at B=2 for an even batch on a chip of two
+TensorCores, :func:`fit_points`) and extrapolated linearly in ``B * T``;
 each kernel's line prints its fit's points and largest relative residual, and a row whose fit has
 fewer than three points or a residual above :data:`MAX_FIT_RESIDUAL` is flagged (exit status 1).
 
@@ -23,11 +24,12 @@ import time
 from collections.abc import Sequence
 from typing import Final
 
+from gdn2_tools.chips import CHIPS
 from gdn2_tools.static_profile import LABEL, Estimate, Program, estimate, estimate_fit
 from gdn2_tools.tpu import SCALAR_GATES
 
-#: bf16 matmul FLOP/s and HBM bytes/s per chip.
-PEAKS: Final = {"v5e": (197e12, 819e9), "v6e": (918e12, 1640e9)}
+#: bf16 matmul FLOP/s and HBM bytes/s per chip (chips.py).
+PEAKS: Final = {name: (chip.peak_flops, chip.hbm_bytes_per_s) for name, chip in CHIPS.items()}
 #: Small (B, T) shapes at which the Pallas kernels are simulated, then extrapolated in B * T:
 #: three, so that the residual of the line tests something (two points fit any line exactly).
 FIT_POINTS: Final = ((1, 512), (1, 1024), (1, 2048))
@@ -70,11 +72,22 @@ def roofline_ms(program: Program, tpu: str, C: int) -> float:
     return (fwd + bwd) * 1e3
 
 
-def run(program: Program, tpu: str, points=FIT_POINTS) -> Estimate:
-    """The estimate of one program (Pallas kernels fitted from small shapes)."""
+def fit_points(batch: int, tpu: str) -> tuple[tuple[int, int], ...]:
+    """:data:`FIT_POINTS` at a batch planned as ``batch`` is on ``tpu``: on a chip of two
+    TensorCores the kernels' plans give both cores as many grid points (heads per step depend on
+    the batch's parity: B=1 H=6 takes 3 heads a step, B=2 or 8 all 6), so the small shapes take
+    B=1 for an odd batch and B=2 for an even one; B=1 on a chip of one core."""
+    cores = CHIPS[tpu].tensor_cores
+    b = (batch - 1) % cores + 1
+    return tuple((b, t) for _, t in FIT_POINTS)
+
+
+def run(program: Program, tpu: str, points=None) -> Estimate:
+    """The estimate of one program (Pallas kernels fitted from small shapes: ``points``, else
+    :func:`fit_points`)."""
     if program.backend in XLA_ONLY:
         return estimate(program, tpu)
-    return estimate_fit(program, tpu, points)
+    return estimate_fit(program, tpu, points or fit_points(program.B, tpu))
 
 
 @dataclasses.dataclass

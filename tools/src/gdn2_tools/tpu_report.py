@@ -12,14 +12,14 @@ deviceless compile (libtpu). The default backend is the one ``backend="auto"`` p
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections.abc import Sequence
 from typing import Final
 
 from gdn2_tools.preflight import missing
 from gdn2_tools.tpu import TOPOLOGIES
+from gdn2_tools.tpu_estimate import PEAKS
 
-#: bf16 matmul FLOP/s and HBM bytes/s per chip.
-PEAKS: Final = {"v5e": (197e12, 819e9), "v6e": (918e12, 1640e9)}
 LABEL: Final = "compile-time analysis (no TPU run)"
 
 
@@ -139,6 +139,19 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def _planned_for(tpu: str) -> contextlib.AbstractContextManager:
+    """A context in which a backend plans for the chip ``tpu`` (its VMEM, its TensorCores per
+    device): the abstract mesh of its topology, as a traced call sees on that chip. Without
+    libtpu (``--no-compile`` runs without it) none: the plans are then the host's."""
+    if missing("libtpu", extra="tpu", why="the target's description"):
+        return contextlib.nullcontext()
+    import jax
+
+    from gdn2_tools.tpu import topology_mesh
+
+    return jax.sharding.use_abstract_mesh(topology_mesh(TOPOLOGIES[tpu]).abstract_mesh)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``gdn2 tpu-report``.
 
@@ -192,15 +205,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"backend {name}; shape B={B} T={T} H={H} dk={K} dv={V} {args.dtype}; target {args.tpu} "
         f"({TOPOLOGIES[args.tpu]}); config {config!r}"
     )
-    answer = judge(backend, spec, config, trainable=True, auto=False, platform="tpu")
+    with _planned_for(args.tpu):  # the backend's plans see the target's VMEM and cores
+        answer = judge(backend, spec, config, trainable=True, auto=False, platform="tpu")
+        rows = [
+            r
+            for found in plugin_hook(name, "gdn2_kernel_costs", spec=spec, config=config)
+            for r in found
+        ]
     if not answer:
         print(f"would not run on a TPU: {answer.reason}")
     peak_flops, bandwidth = PEAKS[args.tpu]
-    rows = [
-        r
-        for found in plugin_hook(name, "gdn2_kernel_costs", spec=spec, config=config)
-        for r in found
-    ]
     if rows:
         print(f"\nper kernel ({LABEL})")
     else:

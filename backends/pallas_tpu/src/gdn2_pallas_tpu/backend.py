@@ -47,6 +47,7 @@ from gdn2_pallas_tpu.plan import (
     check_plan,
     make_plan,
     pooled_plan,
+    tensor_cores,
     varlen_plan,
     vmem_capacity_bytes,
 )
@@ -133,7 +134,7 @@ class PallasTpuBackend(Backend):
         act = spec.activations if spec.activations.any else None
         groups, spec = spec.key_groups, grouped_keys.plain_spec(spec)
         plan = make_plan(spec, config, vmem_capacity_bytes(q), activations=act, chunk_states=True,
-                         scalar_gates=spec.scalar_gates)  # fmt: skip
+                         scalar_gates=spec.scalar_gates, cores=tensor_cores(q))  # fmt: skip
         plan, q, k = grouped_keys.read_grouped(plan, q, k, groups)
         plan = grouped_values.read_grouped(plan, spec.value_groups)
         ex = vjp.Extras(A_log=extras.A_log, dt_bias=extras.dt_bias)
@@ -149,12 +150,12 @@ class PallasTpuBackend(Backend):
 
         extras = OpExtras() if extras is None else extras
         act = spec.activations if spec.activations.any else None
-        capacity = vmem_capacity_bytes(q)
+        capacity, cores = vmem_capacity_bytes(q), tensor_cores(q)
         groups, spec = spec.key_groups, grouped_keys.plain_spec(spec)
         if groups > 1 and spec.segments == SegmentMode.CU_SEQLENS:  # the core never does this
             raise ValueError(f"key_groups={groups}: expected 1 with cu_seqlens")
         if spec.segments == SegmentMode.CU_SEQLENS:  # the chunk-aligned row (varlen.py)
-            plan = varlen_plan(spec, config, capacity, act)
+            plan = varlen_plan(spec, config, capacity, act, cores)
             if trainable and extras.continues is not None:
                 raise ValueError(
                     "extras.continues: continued sequences are forward only (the ragged op), "
@@ -167,7 +168,7 @@ class PallasTpuBackend(Backend):
         else:
             segments = spec.segments == SegmentMode.IDS
             plan = make_plan(spec, config, capacity, segments=segments, activations=act,
-                             scalar_gates=spec.scalar_gates, training=trainable)  # fmt: skip
+                             scalar_gates=spec.scalar_gates, training=trainable, cores=cores)  # fmt: skip
             plan, q, k = grouped_keys.read_grouped(plan, q, k, groups)
             plan = grouped_values.read_grouped(plan, spec.value_groups)
             ex = vjp.Extras(
@@ -213,7 +214,8 @@ class PallasTpuBackend(Backend):
         act = spec.activations if spec.activations.any else None
         key_groups, spec = spec.key_groups, grouped_keys.plain_spec(spec)
         groups = pool.shape[1] // spec.heads
-        plan = pooled_plan(spec, config, vmem_capacity_bytes(q), act, requests.stores, groups)
+        plan = pooled_plan(spec, config, vmem_capacity_bytes(q), act, requests.stores, groups,
+                           tensor_cores(q))  # fmt: skip
         plan, q, k = grouped_keys.read_grouped(plan, q, k, key_groups)  # flat tokens: grouped
         o, pool = vjp.gdn2_pallas_pooled(
             q, k, v, w, b, g, pool, extras.cu_seqlens, requests, plan, extras.A_log,
@@ -249,7 +251,7 @@ class PallasTpuBackend(Backend):
             raise TypeError(f"slots: expected an integer array of shape (N,), got {dtype}")
         if shape != (spec.n_seqs,):
             raise ValueError(f"slots: expected shape (N,) = ({spec.n_seqs},), got {shape}")
-        plan = make_decode_plan(spec, config, vmem_capacity_bytes(q))
+        plan = make_decode_plan(spec, config, vmem_capacity_bytes(q), tensor_cores(q))
         extras = OpExtras() if extras is None else extras
         return gdn2_pallas_decode(
             q, k, v, w, b, g, state, slots, plan, extras.A_log, extras.dt_bias

@@ -17,6 +17,9 @@ tests that want more of the interpreter than its defaults (one core, no race det
   is meant with ``interpret_cores > 1``.
 - ``interpret_cores``: the simulated TensorCores per device (``num_cores_or_threads``): the
   "parallel" grid axes are split among them, each core runs its share on a thread of its own.
+  The plans block for them as for a chip's own (plan.py: 2 cores, as on v5p, give both cores
+  grid points where the heads allow), so that the blocking a two-core chip compiles is the one
+  the race detector runs.
 - ``interpret_seed``: the seed of the order in which the points of the "parallel" grid axes are
   visited (``random_seed``); None: the interpreter's default order (a fixed permutation).
 

@@ -48,6 +48,7 @@ from gdn2_pallas_tpu.plan import (
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_SIZES,
     VMEM_PLAN_SHARE,
+    tensor_cores,
     vmem_capacity_bytes,
 )
 from gdn2_pallas_tpu.plan import vmem_limit as kernel_vmem_limit
@@ -149,11 +150,15 @@ def grouped_rows(plan: DecodePlan, heads: int, dtype: str) -> int:
     return G if rows == heads or rows % _sublanes(dtype) == 0 else 1
 
 
-def head_block(spec: DecodeSpec, fits: Callable[[int], bool] = lambda hb: True) -> int:
+def head_block(
+    spec: DecodeSpec, fits: Callable[[int], bool] = lambda hb: True, cores: int = 1
+) -> int:
     """The heads of a step: among the divisors of HV that tile the token blocks (at most
     :data:`MAX_HEADS_PER_STEP`), the smallest with at least :data:`STEP_STATE_BYTES` of float32
     state, or a smaller one while the call would have fewer than :data:`MIN_STEPS` steps or
-    ``fits(hb)`` is false (its VMEM: :func:`make_decode_plan`)."""
+    ``fits(hb)`` is false (its VMEM: :func:`make_decode_plan`). With ``cores`` TensorCores per
+    device (2 on v5p), which split the head blocks (the grid's parallel axis) between them: the
+    largest smaller block that gives each core as many, where the choice does not."""
     head_bytes = spec.dk * spec.dv * F32_BYTES
     tiling = [
         h
@@ -167,6 +172,8 @@ def head_block(spec: DecodeSpec, fits: Callable[[int], bool] = lambda hb: True) 
     smaller = [h for h in tiling if h < hb]
     while smaller and (spec.n_seqs * (spec.heads // hb) < MIN_STEPS or not fits(hb)):
         hb = smaller.pop()
+    if (spec.heads // hb) % cores:
+        hb = max((h for h in smaller if (spec.heads // h) % cores == 0), default=hb)
     return hb
 
 
@@ -192,9 +199,13 @@ def vmem_limit(plan_bytes: int, capacity: int) -> int:
 
 
 def make_decode_plan(
-    spec: DecodeSpec, config: KernelConfig, vmem_capacity: int | None = None
+    spec: DecodeSpec,
+    config: KernelConfig,
+    vmem_capacity: int | None = None,
+    cores: int | None = None,
 ) -> DecodePlan:
-    """The plan of one call (module docstring).
+    """The plan of one call (module docstring); ``cores``: the TensorCores that share the head
+    blocks (None: ``tensor_cores()`` of the target; interpret mode: the simulated cores).
 
     Raises:
         TypeError: ``config`` is another backend's config class (:class:`PallasTpuConfig`).
@@ -221,7 +232,11 @@ def make_decode_plan(
     )
     budget = int(VMEM_PLAN_SHARE * capacity)  # fewer heads a step where more would not fit
     fits = lambda hb: vmem_bytes(dataclasses.replace(plan, hb=hb))["total"] <= budget  # noqa: E731
-    plan = dataclasses.replace(plan, hb=head_block(spec, fits))
+    if config.interpret:
+        cores = config.interpret_cores
+    elif cores is None:
+        cores = tensor_cores()
+    plan = dataclasses.replace(plan, hb=head_block(spec, fits, cores))
     g_dtype = "float32" if spec.float32_decay else spec.dtype
     key_groups = grouped_rows(plan, spec.key_heads, spec.dtype)
     # b (and g, perhaps float32) must tile too, and are read grouped only with q, k

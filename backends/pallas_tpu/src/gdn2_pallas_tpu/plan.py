@@ -8,7 +8,13 @@ Measured by the TPU compiler's static cycle estimate (``gdn2 tpu-report``, v5e, 
 H=6 d=128): one unit per step costs about 4x the cycles of ``hb=6, nc=4`` per chunk. So:
 
 - ``hb``: the largest divisor of H not above ``MAX_HEADS_PER_STEP`` (8); the layout of the token
-  arrays follows from H (:class:`Layout`);
+  arrays follows from H (:class:`Layout`). On a chip with two TensorCores per device (v5p,
+  :func:`tensor_cores`) the compiler splits the "parallel" grid points ``(batch row, head
+  group)`` between the cores (merging the two axes: a ``(3, 2, n)`` grid splits 3:3), so ``hb``
+  is the largest such divisor that gives both cores as many points: B=1 H=6 takes ``hb = 3``
+  where one core would otherwise run every step while the other idles (forward at B=1 T=2048
+  H=6 on v5p, static estimate: docs/results.md). Token-major blocks keep 8 heads (B=1 H=8 stays
+  on one core: a smaller block would need the head-major copy of every input);
 - ``nc``: up to ``MAX_STEP_ROWS / (hb C)`` chunks, preferring a divisor of the number of chunks
   (no padding), reduced until the VMEM byte model fits the budget. A training plan (the training
   forward and the backward) takes at least ``dv / C`` chunks (``nc C >= dv`` tokens a step): the
@@ -94,8 +100,8 @@ def vmem_limit(capacity: int) -> int:
     return int(VMEM_LIMIT_SHARE * capacity)
 
 
-def vmem_capacity_bytes(like: jax.Array | None = None) -> int:
-    """Per-core VMEM of the TPU this program is built for, else ``DEFAULT_VMEM_CAPACITY``.
+def _tpu_info(like: jax.Array | None = None):
+    """``pltpu.get_tpu_info()`` of the TPU this program is built for, else None.
 
     The chip is the default device's, or that of an enclosing ``jax.sharding.use_abstract_mesh``,
     or, for an argument traced with a TPU sharding (a deviceless compile on a CPU host), the device
@@ -104,7 +110,7 @@ def vmem_capacity_bytes(like: jax.Array | None = None) -> int:
     from jax.experimental.pallas import tpu as pltpu
 
     try:
-        return int(pltpu.get_tpu_info().vmem_capacity_bytes)
+        return pltpu.get_tpu_info()
     except Exception:  # not on a TPU host and no abstract TPU mesh around the call
         pass
     mesh = (
@@ -116,10 +122,37 @@ def vmem_capacity_bytes(like: jax.Array | None = None) -> int:
     if device is not None and getattr(device, "platform", None) == "tpu":
         try:
             with jax.sharding.use_abstract_mesh(mesh):
-                return int(pltpu.get_tpu_info().vmem_capacity_bytes)
-        except Exception:  # an unknown TPU kind: plan for the smallest
+                return pltpu.get_tpu_info()
+        except Exception:  # an unknown TPU kind
             pass
-    return DEFAULT_VMEM_CAPACITY
+    return None
+
+
+def vmem_capacity_bytes(like: jax.Array | None = None) -> int:
+    """Per-core VMEM of the TPU this program is built for (:func:`_tpu_info`), else
+    ``DEFAULT_VMEM_CAPACITY``."""
+    info = _tpu_info(like)
+    return DEFAULT_VMEM_CAPACITY if info is None else int(info.vmem_capacity_bytes)
+
+
+def tensor_cores(like: jax.Array | None = None) -> int:
+    """TensorCores per device of the TPU this program is built for (:func:`_tpu_info`): 2 on
+    v5p (megacore: the compiler splits the "parallel" grid axes between them), 1 on v5e, v6e and
+    off a TPU."""
+    info = _tpu_info(like)
+    return 1 if info is None else max(1, int(info.num_cores))
+
+
+def heads_per_step(heads: int, rows: int, cores: int, token_major: bool) -> int:
+    """Heads per grid step: the largest divisor of ``heads`` not above ``MAX_HEADS_PER_STEP``
+    that gives every core the same number of ``(batch row, head group)`` grid points (``rows``
+    batch rows, ``cores`` TensorCores), else the largest divisor. Token-major blocks hold 8
+    heads, so their ``hb`` stays 8."""
+    divisors = [d for d in range(1, min(heads, MAX_HEADS_PER_STEP) + 1) if heads % d == 0]
+    if token_major:
+        divisors = [d for d in divisors if d % NUM_SUBLANES == 0] or divisors
+    even = [d for d in divisors if (rows * (heads // d)) % cores == 0]
+    return max(even or divisors)
 
 
 class Layout(enum.Enum):
@@ -391,13 +424,16 @@ def make_plan(
     chunk_states: bool = False,
     scalar_gates: tuple[str, ...] = (),
     training: bool = False,
+    cores: int | None = None,
 ) -> Plan:
     """The plan of one call (see the module docstring for the choices); ``n_seqs``: the
     sequences of a ``cu_seqlens`` call (0 otherwise; :func:`varlen_plan` gives the row);
     ``chunk_states``: an inference forward that also writes every chunk's entry state;
     ``scalar_gates``: the gates read as one value per head and token (``spec.scalar_gates``);
     ``training``: the plan of the training forward and the backward (at least ``dv / C`` chunks a
-    step, so that the saved step states stay small).
+    step, so that the saved step states stay small); ``cores``: the TensorCores that share the
+    parallel grid axes (None: :func:`tensor_cores` of the target; interpret mode: the simulated
+    cores).
 
     Raises:
         TypeError: ``config`` is another backend's config class (:class:`PallasTpuConfig`).
@@ -408,7 +444,12 @@ def make_plan(
     budget = vmem_limit(capacity)  # the byte model is planned against the limit itself
     C = int(config.bt)
     layout = layout_for(spec.heads)
-    hb = max(d for d in range(1, min(spec.heads, MAX_HEADS_PER_STEP) + 1) if spec.heads % d == 0)
+    if config.interpret:
+        cores = config.interpret_cores
+    elif cores is None:
+        cores = tensor_cores()
+    rows = 1 if n_seqs else spec.batch  # a cu_seqlens or pooled call is one row
+    hb = heads_per_step(spec.heads, rows, cores, layout is Layout.TOKEN_MAJOR)
     n_chunks = max(1, math.ceil(spec.seq_len / C))
     # nc divides the chunks when it can: a partial last step would pad every token array (a copy
     # through HBM), and T a multiple of C then needs no padding at all.
@@ -491,26 +532,27 @@ def check_plan(spec: OpSpec, config: KernelConfig) -> str | None:
     return None
 
 
-def varlen_plan(spec: OpSpec, config: KernelConfig, vmem_capacity: int, activations=None) -> Plan:
+def varlen_plan(spec: OpSpec, config: KernelConfig, vmem_capacity: int, activations=None,
+                cores: int | None = None) -> Plan:  # fmt: skip
     """The plan of a ``cu_seqlens`` call: the chunk-aligned row of ``spec.n_seqs`` sequences
     (varlen.py), one batch row."""
     from gdn2_pallas_tpu import varlen
 
     plan = make_plan(spec, config, vmem_capacity, activations=activations, n_seqs=spec.n_seqs,
-                     scalar_gates=spec.scalar_gates)  # fmt: skip
+                     scalar_gates=spec.scalar_gates, cores=cores)  # fmt: skip
     t_pad = varlen.padded_length(spec.seq_len, spec.n_seqs, plan.C, plan.step_len)
     return dataclasses.replace(plan, batch=1, seq_len=t_pad, n_seqs=spec.n_seqs)
 
 
 def pooled_plan(spec: OpSpec, config: KernelConfig, vmem_capacity: int, activations, stores: bool,
-                pool_groups: int) -> Plan:  # fmt: skip
+                pool_groups: int, cores: int | None = None) -> Plan:  # fmt: skip
     """The plan of a pooled call: the chunk-aligned row of ``spec.n_seqs`` requests (pooled.py),
     one batch row; ``stores``: with checkpoints (a filler before each request). Token-major
     calls read the flat tokens (``token_rows``: ``T``, at least one grid step; flat_tokens.py)."""
     from gdn2_pallas_tpu import varlen
 
     plan = make_plan(spec, config, vmem_capacity, activations=activations, n_seqs=spec.n_seqs,
-                     scalar_gates=spec.scalar_gates)  # fmt: skip
+                     scalar_gates=spec.scalar_gates, cores=cores)  # fmt: skip
     flat = plan.layout is Layout.TOKEN_MAJOR
     wasted = spec.n_seqs * (2 if stores else 1)  # chunks the requests may waste (pooled.py)
     wasted += 2 if flat else 0  # and the zero chunks' (flat_tokens.py, section Output)

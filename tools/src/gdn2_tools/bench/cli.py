@@ -11,6 +11,7 @@ from pathlib import Path
 
 from gdn2_tools.bench.programs import REFERENCE_ROW
 from gdn2_tools.bench.shapes import SHAPE_LISTS, BenchShape, parse_shape
+from gdn2_tools.chips import CHIPS
 from gdn2_tools.preflight import missing
 from gdn2core.config import PRESETS, KernelConfig
 
@@ -321,7 +322,7 @@ def memory_main(argv: Sequence[str]) -> int:
     _common(p)
     p.add_argument(
         "--target",
-        choices=("v5e", "v6e"),
+        choices=sorted(CHIPS),
         default=None,
         help="compile for this TPU without one (libtpu); its default rows: the backends auto may "
         "pick on a TPU (default: none, compile and measure here)",

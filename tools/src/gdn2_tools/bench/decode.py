@@ -31,8 +31,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
-#: HBM bytes/s per chip (the bound of a decode step).
-HBM_BYTES_PER_S: Final = {"v5e": 819e9, "v6e": 1640e9}
+from gdn2_tools.chips import CHIPS
+
+#: HBM bytes/s per chip (the bound of a decode step; chips.py).
+HBM_BYTES_PER_S: Final = {name: chip.hbm_bytes_per_s for name, chip in CHIPS.items()}
 REFERENCE: Final = "reference"
 
 
@@ -279,7 +281,7 @@ def static_rows(
         shape: the step.
         dtype: the token dtype.
         pool_dtype: the pool dtype.
-        tpu: ``"v5e"`` or ``"v6e"``.
+        tpu: a chip of :data:`gdn2_tools.chips.CHIPS` (``"v5e"``, ``"v6e"``, ``"v5p"``).
         gate: ``--gate``: the fused activations with this gate, or ``""`` (none).
 
     Returns:
