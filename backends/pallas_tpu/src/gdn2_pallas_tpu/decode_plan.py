@@ -48,7 +48,7 @@ from gdn2_pallas_tpu.plan import (
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_SIZES,
     VMEM_PLAN_SHARE,
-    tensor_cores,
+    planned_cores,
     vmem_capacity_bytes,
 )
 from gdn2_pallas_tpu.plan import vmem_limit as kernel_vmem_limit
@@ -232,11 +232,7 @@ def make_decode_plan(
     )
     budget = int(VMEM_PLAN_SHARE * capacity)  # fewer heads a step where more would not fit
     fits = lambda hb: vmem_bytes(dataclasses.replace(plan, hb=hb))["total"] <= budget  # noqa: E731
-    if config.interpret:
-        cores = config.interpret_cores
-    elif cores is None:
-        cores = tensor_cores()
-    plan = dataclasses.replace(plan, hb=head_block(spec, fits, cores))
+    plan = dataclasses.replace(plan, hb=head_block(spec, fits, planned_cores(config, cores)))
     g_dtype = "float32" if spec.float32_decay else spec.dtype
     key_groups = grouped_rows(plan, spec.key_heads, spec.dtype)
     # b (and g, perhaps float32) must tile too, and are read grouped only with q, k

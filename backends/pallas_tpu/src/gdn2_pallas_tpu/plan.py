@@ -143,6 +143,14 @@ def tensor_cores(like: jax.Array | None = None) -> int:
     return 1 if info is None else max(1, int(info.num_cores))
 
 
+def planned_cores(config: PallasTpuConfig, cores: int | None) -> int:
+    """The TensorCores a plan blocks for: interpret mode's simulated cores, else ``cores``, else
+    :func:`tensor_cores` of the target."""
+    if config.interpret:
+        return config.interpret_cores
+    return tensor_cores() if cores is None else cores
+
+
 def heads_per_step(heads: int, rows: int, cores: int, token_major: bool) -> int:
     """Heads per grid step: the largest divisor of ``heads`` not above ``MAX_HEADS_PER_STEP``
     that gives every core the same number of ``(batch row, head group)`` grid points (``rows``
@@ -444,10 +452,7 @@ def make_plan(
     budget = vmem_limit(capacity)  # the byte model is planned against the limit itself
     C = int(config.bt)
     layout = layout_for(spec.heads)
-    if config.interpret:
-        cores = config.interpret_cores
-    elif cores is None:
-        cores = tensor_cores()
+    cores = planned_cores(config, cores)
     rows = 1 if n_seqs else spec.batch  # a cu_seqlens or pooled call is one row
     hb = heads_per_step(spec.heads, rows, cores, layout is Layout.TOKEN_MAJOR)
     n_chunks = max(1, math.ceil(spec.seq_len / C))
