@@ -259,3 +259,52 @@ def test_every_tool_prices_the_same_chips():
     assert set(HBM_BYTES_PER_S) == set(CHIPS) == {"v5e", "v6e", "v5p"}
     assert tpu_estimate.PEAKS["v5e"] == (197e12, 819e9) and CLOCK_HZ["v6e"] == 1.75e9
     assert TOPOLOGIES["v5p"] == "v5p:1x1x1" and CHIPS["v5p"].tensor_cores == 2
+
+
+def test_the_table_takes_its_shapes_and_chips_and_gives_the_temp_hbm(monkeypatch, tmp_path):
+    """``gdn2 tpu-report --table --shapes long --tpus v5p``: the rows of that shape and chip only,
+    each pallas_tpu row with its compiled temp HBM (n/a where the compile gave none), and the
+    "(see notes)" flag on the backend whose estimate left an op out."""
+    fit = {"points": [(512, 1), (1024, 2), (2048, 4)], "cycles_per_token": 1.0,
+           "max_rel_residual": 0.0}  # fmt: skip
+    asked = []
+
+    def run(program, tpu):
+        asked.append((program.backend, program.B, program.T, program.H, program.dtype, tpu))
+        temp = 192 * 2**20 if program.backend == "pallas_tpu" and program.mode == "train" else None
+        ops = [OpCycles("gdn2_fwd", 1_750_000, 1, True, fit=fit)]
+        unprofiled = {"gather_fusion": "aborted"} if program.backend == "jax_ref" else {}
+        return Estimate(program, tpu, ops, temp, unprofiled, [], op_bytes={"gdn2_fwd": 1})
+
+    monkeypatch.setattr(tpu_estimate, "run", run)
+    out = tmp_path / "table.md"
+    code = tpu_estimate.table_main(
+        ["--table", str(out), "--shapes", "long", "--tpus", "v5p", "--dtypes", "bfloat16"]
+    )
+    assert code == 1  # a row left something out
+    assert sorted(set(asked)) == [
+        (backend, 1, 32768, 16, "bfloat16", "v5p") for backend in ("jax_ref", "pallas_tpu")
+    ]
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| B=")]
+    assert len(rows) == 2
+    # the flag on the cell whose estimate left something out (here jax_ref's), not its neighbour
+    assert rows[0].startswith("| B=1 T=32768 H=16 d=128 | v5p | bfloat16 | train | 1.00 | ")
+    assert "| 1.00 | 1.00 (see notes) | 0.97 |" in rows[0], rows[0]
+    assert rows[0].endswith("| 192.0 |") and rows[1].endswith("| n/a |"), rows
+
+
+@pytest.mark.parametrize(
+    "argv, error",
+    [(["--shapes", "long"], "--shapes and --tpus apply to --table only"),
+     (["--table", "t.md", "--shapes", "train,lung"],
+      "--shapes: expected names of train, long, got ['lung']"),
+     (["--table", "t.md", "--tpus", "v5e,v7"], "--tpus: expected names of v5e, v6e, v5p, got ['v7']")],
+    ids=["without-table", "unknown-shape", "unknown-tpu"],
+)  # fmt: skip
+def test_the_table_options_name_what_they_expect(argv, error, capsys):
+    from gdn2_tools.tpu_report import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert error in capsys.readouterr().err

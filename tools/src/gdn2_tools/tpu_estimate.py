@@ -242,9 +242,23 @@ def estimate_main(args, config) -> int:
 TABLE_SHAPES: Final = {"train": (8, 4096, 6, 128, 128), "long": (1, 32768, 16, 128, 128)}
 
 
+def table_names_problem(shapes: str, tpus: str) -> str | None:
+    """What is wrong with the table's comma-separated ``--shapes`` and ``--tpus``, or None."""
+    for option, value, known in (("--shapes", shapes, TABLE_SHAPES), ("--tpus", tpus, PEAKS)):
+        unknown = [x for x in value.split(",") if x not in known]
+        if unknown:
+            return f"{option}: expected names of {', '.join(known)}, got {unknown}"
+    return None
+
+
+def _mib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
+
+
 def table_main(argv: Sequence[str]) -> int:
-    """``gdn2 tpu-report --table OUT.md [--json OUT.json]``: the table of docs/results.md (every row a compiler
-    estimate): pallas_tpu and jax_ref, train step and forward, per shape, generation and dtype."""
+    """``gdn2 tpu-report --table OUT.md [--json OUT.json] [--shapes ...] [--tpus ...]``: the table
+    of docs/results.md (every row a compiler estimate): pallas_tpu and jax_ref, train step and
+    forward, per shape, generation and dtype, with pallas_tpu's compiled temp HBM."""
     import argparse
 
     p = argparse.ArgumentParser(prog="gdn2 tpu-report --table")
@@ -254,11 +268,14 @@ def table_main(argv: Sequence[str]) -> int:
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--shapes", default=",".join(TABLE_SHAPES))
     args = p.parse_args(list(argv))
+    problem = table_names_problem(args.shapes, args.tpus)
+    if problem:
+        p.error(problem)
     from gdn2core import DEFAULT_CONFIG
 
     lines = [
-        "| shape | TPU | dtype | mode | pallas_tpu ms | jax_ref ms | roofline ms | pallas / roofline | jax_ref / pallas |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| shape | TPU | dtype | mode | pallas_tpu ms | jax_ref ms | roofline ms | pallas / roofline | jax_ref / pallas | pallas_tpu temp HBM MiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     raw, ok = [], True
     start = time.time()
@@ -276,11 +293,12 @@ def table_main(argv: Sequence[str]) -> int:
                         ok &= cells[backend].trustworthy
                         raw.append(dataclasses.asdict(cells[backend]))
                     pal, ref = cells["pallas_tpu"], cells["jax_ref"]
-                    flag = "" if pal.trustworthy and ref.trustworthy else " (see notes)"
+                    flag = {n: "" if c.trustworthy else " (see notes)" for n, c in cells.items()}
                     lines.append(
-                        f"| B={B} T={T} H={H} d={K} | {tpu} | {dtype} | {mode} | {pal.ms:.2f}{flag} | "
-                        f"{ref.ms:.2f} | {pal.roofline_ms:.2f} | {pal.ms / pal.roofline_ms:.1f}x | "
-                        f"{ref.ms / pal.ms:.1f}x |"
+                        f"| B={B} T={T} H={H} d={K} | {tpu} | {dtype} | {mode} | "
+                        f"{pal.ms:.2f}{flag['pallas_tpu']} | {ref.ms:.2f}{flag['jax_ref']} | "
+                        f"{pal.roofline_ms:.2f} | {pal.ms / pal.roofline_ms:.1f}x | "
+                        f"{ref.ms / pal.ms:.1f}x | {_mib(pal.temp_mib)} |"
                     )
     notes = [
         f"{p['backend']} {p['mode']} B={p['B']} T={p['T']} H={p['H']} {p['dtype']} {r['tpu']}: {n}"

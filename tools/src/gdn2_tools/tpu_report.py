@@ -18,7 +18,7 @@ from typing import Final
 
 from gdn2_tools.preflight import missing
 from gdn2_tools.tpu import TOPOLOGIES
-from gdn2_tools.tpu_estimate import PEAKS
+from gdn2_tools.tpu_estimate import PEAKS, TABLE_SHAPES, table_names_problem
 
 LABEL: Final = "compile-time analysis (no TPU run)"
 
@@ -113,6 +113,18 @@ def _parser() -> argparse.ArgumentParser:
         help="write the table of estimates of docs/results.md (train and long shapes, v5e and v6e, bf16 and "
         "f32; tens of minutes); see gdn2_tools.tpu_estimate",
     )
+    p.add_argument(
+        "--shapes",
+        default=",".join(TABLE_SHAPES),
+        help="with --table: its shapes, comma-separated, of "
+        f"{', '.join(f'{n} (B, T, H, dk, dv = {v})' for n, v in TABLE_SHAPES.items())} "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--tpus",
+        default="v5e,v6e",
+        help=f"with --table: its TPUs, comma-separated, of {', '.join(PEAKS)} (default %(default)s)",
+    )
     return p
 
 
@@ -124,6 +136,14 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     ):
         p.error("--segment-ids, --value-heads, --gate, --gates and --g-dtype apply to --estimate "
                 "only")  # fmt: skip
+    if not args.table and (args.shapes, args.tpus) != (
+        p.get_default("shapes"),
+        p.get_default("tpus"),
+    ):
+        p.error("--shapes and --tpus apply to --table only")
+    problem = table_names_problem(args.shapes, args.tpus)
+    if problem:
+        p.error(problem)
     if args.g_dtype and args.dtype != "bfloat16":
         p.error(f"--g-dtype float32: expected --dtype bfloat16, got {args.dtype}")
     if args.value_gates and args.value_heads in (0, args.heads):
@@ -171,7 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gdn2_tools import tpu_estimate
 
         if args.table:
-            return tpu_estimate.table_main(["--table", args.table])
+            return tpu_estimate.table_main(
+                ["--table", args.table, "--shapes", args.shapes, "--tpus", args.tpus]
+            )
         from gdn2core import DEFAULT_CONFIG, PRESETS
 
         config = DEFAULT_CONFIG if args.config == "default" else PRESETS[args.config]

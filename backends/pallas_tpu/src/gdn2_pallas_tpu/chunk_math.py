@@ -33,16 +33,18 @@ goes by the rows it is fed.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Final
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gdn2_pallas_tpu.matmul import MatmulPrecision, mm, mm_nt, mm_tn
-from gdn2_pallas_tpu.plan import NUM_LANES, NUM_SUBLANES  # a float32 vector register's shape
+from gdn2_pallas_tpu.plan import MERGED_EXPONENT, NUM_LANES, NUM_SUBLANES
 
 F32 = jnp.float32
 #: A float32 zero for ``jnp.where``: a Python 0.0 would be a float64 constant inside the kernel
@@ -296,6 +298,31 @@ def decay_levels(
             expo = jnp.where(same, expo, MASKED)
         levels.append(Level(lower, jnp.exp(expo), level, level))
     return levels
+
+
+def mergeable(g: jax.Array, block: int) -> jax.Array:
+    """Whether every log decay of ``g`` (any shape, clamped) lets the levels inside aligned
+    ``block``-row blocks merge (:func:`merged_levels`): ``|g| * block / 2 <= MERGED_EXPONENT``,
+    so that no factor relative to a block's middle row leaves ``[exp(-64), exp(64)]``. A scalar
+    bool; False when ``g`` holds a NaN (the levels then carry it, as they always did)."""
+    return jnp.max(jnp.abs(g)) * np.float32(block // 2) <= np.float32(MERGED_EXPONENT)
+
+
+def by_decay_bound(g: jax.Array, blocks: tuple[int, ...], step: Callable[[int], None]) -> None:
+    """Runs ``step(block)`` for the first of ``blocks`` (largest first) that the grid step's
+    clamped log decays ``g`` let merge (:func:`mergeable`), else ``step(1)`` (the levels).
+
+    Each is a whole copy of the step under its own ``pl.when``, exactly one of which runs: a
+    branch around the scores alone would cut the step's schedule in three regions that cannot
+    overlap (static estimate, forward kernel at B = 1, T = 1024, H = 6, v5e: 61,525 cycles with
+    the merged branch, against 54,165 for the levels alone and 46,599 with whole copies)."""
+    taken = None  # a larger block's condition, which implies every smaller one's
+    for block in (*blocks, 1):
+        here = jnp.bool_(True) if block == 1 else mergeable(g, block)
+        if taken is not None:
+            here = jnp.logical_and(here, jnp.logical_not(taken))
+        pl.when(here)(lambda block=block: step(block))
+        taken = here if taken is None else jnp.logical_or(taken, here)
 
 
 @dataclasses.dataclass(frozen=True)

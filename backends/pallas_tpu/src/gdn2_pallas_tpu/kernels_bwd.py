@@ -75,6 +75,21 @@ class BackwardRefs:
 
 
 def _backward_kernel(r: BackwardRefs, *, plan: Plan):
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+        r.dS[...] = r.dh_final[...]
+
+    if not plan.runtime_merged_blocks:
+        _step(r, plan, plan.merged_block)
+        return
+    io = blocks.TokenIO(plan, blocks.reverse_step(plan.n_steps))
+    g = cm.clamp_log_decay(blocks.load_gate(r.g, io, plan.dk, "g"))  # [U, C, K]
+    cm.by_decay_bound(g, plan.runtime_merged_blocks, lambda merged: _step(r, plan, merged))
+
+
+def _step(r: BackwardRefs, plan: Plan, merged: int):
+    """One grid step after the carried dS: phase A again, the reverse state pass, the gradients;
+    ``merged``: the rows of the blocks whose levels merge (1: none; chunk_math.decay_levels)."""
     io = blocks.TokenIO(plan, blocks.reverse_step(plan.n_steps))
     vio = io.values()  # v, w, dO, dv, dw: the caller's grouped values with plan.value_groups
     batch, head_group, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -82,10 +97,6 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
     step = n_steps - 1 - i
     C, K, V, p, scale = plan.C, plan.dk, plan.dv, plan.precisions, plan.scale
     chunk = functools.partial(blocks.chunk_of, plan=plan)
-
-    @pl.when(i == 0)
-    def _():
-        r.dS[...] = r.dh_final[...]
 
     def inputs():
         """The step's tiles as float32 units: q, k, b, g [U, C, K]; v, w, dO [U, C, V]."""
@@ -103,7 +114,7 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
         q, k, b, w, g_in = x.q, x.k, x.b, x.w, x.g
     g = cm.clamp_log_decay(g_in)
     seg = None if r.starts is None else cm.Segments.from_starts(blocks.load_starts(r.starts, plan))
-    L = cm.chunk_local(q, k, v, w, b, g, seg, plan.merged_block, plan.scalar_decay)
+    L = cm.chunk_local(q, k, v, w, b, g, seg, merged, plan.scalar_decay)
     TA = blocks.unpack_lanes(r.TA[...].astype(F32), plan)  # [U, C, C]
     rr, ss = cm.iota((C, C), 0), cm.iota((C, C), 1)
     A_qk = jnp.where(ss <= rr, TA, cm.ZERO)  # [U, C, C]

@@ -92,7 +92,12 @@ def _forward_kernel(r: ForwardRefs, *, plan: Plan, save: bool):
         r.state_out[...] = r.S[...].astype(r.state_out.dtype)
 
     if not plan.flat_tokens:
-        _step(r, plan, save, None)
+        if not plan.runtime_merged_blocks:
+            _step(r, plan, save, None, plan.merged_block)
+            return
+        io = blocks.TokenIO(plan, blocks.forward_step)
+        g = cm.clamp_log_decay(blocks.load_gate(r.g, io, plan.dk, "g"))  # [U, C, K]
+        cm.by_decay_bound(g, plan.runtime_merged_blocks, lambda m: _step(r, plan, save, None, m))
         return
     # Two copies of the step: one rolls the chunks' rows (a window clamped near an end of the
     # flat tokens, flat_tokens.py), the other, nearly every step, has no roll at all.
@@ -101,16 +106,17 @@ def _forward_kernel(r: ForwardRefs, *, plan: Plan, save: bool):
 
     @pl.when(needs)
     def _():
-        _step(r, plan, save, flat.rolled(True))
+        _step(r, plan, save, flat.rolled(True), plan.merged_block)
 
     @pl.when(jnp.logical_not(needs))
     def _():
-        _step(r, plan, save, flat.rolled(False))
+        _step(r, plan, save, flat.rolled(False), plan.merged_block)
 
 
-def _step(r: ForwardRefs, plan: Plan, save: bool, flat: flat_tokens.FlatTokens | None):
+def _step(r: ForwardRefs, plan: Plan, save: bool, flat: flat_tokens.FlatTokens | None, merged: int):
     """One grid step after its entry state: phase A, the state pass, the outputs; ``flat``: the
-    step's chunks from the flat tokens (plan.flat_tokens), else None."""
+    step's chunks from the flat tokens (plan.flat_tokens), else None; ``merged``: the rows of
+    the blocks whose levels merge (1: none; chunk_math.decay_levels)."""
     io = blocks.TokenIO(plan, blocks.forward_step)
     vio = io.values()  # v, w, o: the caller's grouped values with plan.value_groups
     batch, head_group, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -142,7 +148,7 @@ def _step(r: ForwardRefs, plan: Plan, save: bool, flat: flat_tokens.FlatTokens |
         q, k, v, w, b, g = flat.mask(valid, q, k, v, w, b, g)
     g = cm.clamp_log_decay(g)  # [U, C, K]
     seg = None if r.starts is None else cm.Segments.from_starts(blocks.load_starts(r.starts, plan))
-    L = cm.chunk_local(q, k, v, w, b, g, seg, plan.merged_block, plan.scalar_decay)
+    L = cm.chunk_local(q, k, v, w, b, g, seg, merged, plan.scalar_decay)
     A_kk, A_qk = cm.scores(L.E, q, k, L.levels, p.scores)  # [U, C, C] F4
     T = cm.wy_inverse(A_kk, plan.wy_eps, p.inverse)  # [U, C, C] F5
     if save:

@@ -74,6 +74,10 @@ MAX_STEP_ROWS: Final = 24 * 64
 #: is 6e27, which leaves float32 (3e38) ten orders of magnitude for the sums of such products
 #: in the score backward before the small factor brings them back.
 MERGED_EXPONENT: Final = 64.0
+#: The blocks whose levels a grid step merges when its own log decays allow it
+#: (:attr:`Plan.runtime_merged_blocks`), largest first: 16 rows when every ``|g| <= 8`` in the
+#: step, 8 rows when every ``|g| <= 16`` (``|g| * block / 2 <= MERGED_EXPONENT``).
+RUNTIME_MERGED_BLOCKS: Final = (16, 8)
 #: Chunks per grid step at most (the sequential state pass is nc steps long).
 MAX_CHUNKS_PER_STEP: Final = 8
 #: Chunk lengths the level scheme takes: powers of two (levels), sublane aligned, MXU sized.
@@ -310,6 +314,19 @@ class Plan:
         while block > 1 and block // 2 * abs(act.lower_bound) > MERGED_EXPONENT:
             block //= 2
         return block if block >= 4 else 1  # 2 rows: level 0 alone, nothing merges
+
+    @property
+    def runtime_merged_blocks(self) -> tuple[int, ...]:
+        """The blocks whose levels a grid step merges when every log decay of the step allows
+        it (chunk_math.by_decay_bound: one copy of the step per block, and one with the levels;
+        the step's ``max |g|`` picks the copy), largest first; ``()`` where a call has one
+        blocking: a bounded gate (:attr:`merged_block`, fixed by its bound), packed sequences by
+        ``segment_ids`` (a block's middle row may lie in another sequence), a scalar decay (no
+        levels), a fused gate (``g`` is activated inside the step) and a ragged call's pooled
+        forward."""
+        if self.merged_block > 1 or self.segments or self.scalar_decay or self.gate or self.pooled:
+            return ()
+        return tuple(block for block in RUNTIME_MERGED_BLOCKS if block <= self.C)
 
     @property
     def units(self) -> int:
