@@ -262,9 +262,9 @@ def test_every_tool_prices_the_same_chips():
 
 
 def test_the_table_takes_its_shapes_and_chips_and_gives_the_temp_hbm(monkeypatch, tmp_path):
-    """``gdn2 tpu-report --table --shapes long --tpus v5p``: the rows of that shape and chip only,
-    each pallas_tpu row with its compiled temp HBM (n/a where the compile gave none), and the
-    "(see notes)" flag on the backend whose estimate left an op out."""
+    """``gdn2 tpu-report --table --shapes long --tpus v5p --dtypes bfloat16``: the rows of that
+    shape, chip and dtype only, each pallas_tpu row with its compiled temp HBM (n/a where the
+    compile gave none), and the "(see notes)" flag on the backend whose estimate left an op out."""
     fit = {"points": [(512, 1), (1024, 2), (2048, 4)], "cycles_per_token": 1.0,
            "max_rel_residual": 0.0}  # fmt: skip
     asked = []
@@ -278,9 +278,9 @@ def test_the_table_takes_its_shapes_and_chips_and_gives_the_temp_hbm(monkeypatch
 
     monkeypatch.setattr(tpu_estimate, "run", run)
     out = tmp_path / "table.md"
-    code = tpu_estimate.table_main(
-        ["--table", str(out), "--shapes", "long", "--tpus", "v5p", "--dtypes", "bfloat16"]
-    )
+    from gdn2_tools.tpu_report import main  # the command line passes its table options on
+
+    code = main(["--table", str(out), "--shapes", "long", "--tpus", "v5p", "--dtypes", "bfloat16"])
     assert code == 1  # a row left something out
     assert sorted(set(asked)) == [
         (backend, 1, 32768, 16, "bfloat16", "v5p") for backend in ("jax_ref", "pallas_tpu")
@@ -295,11 +295,14 @@ def test_the_table_takes_its_shapes_and_chips_and_gives_the_temp_hbm(monkeypatch
 
 @pytest.mark.parametrize(
     "argv, error",
-    [(["--shapes", "long"], "--shapes and --tpus apply to --table only"),
+    [(["--shapes", "long"], "--shapes, --tpus and --dtypes apply to --table only"),
+     (["--dtypes", "float32"], "--shapes, --tpus and --dtypes apply to --table only"),
      (["--table", "t.md", "--shapes", "train,lung"],
       "--shapes: expected names of train, long, got ['lung']"),
-     (["--table", "t.md", "--tpus", "v5e,v7"], "--tpus: expected names of v5e, v6e, v5p, got ['v7']")],
-    ids=["without-table", "unknown-shape", "unknown-tpu"],
+     (["--table", "t.md", "--tpus", "v5e,v7"], "--tpus: expected names of v5e, v6e, v5p, got ['v7']"),
+     (["--table", "t.md", "--dtypes", "float16"],
+      "--dtypes: expected names of bfloat16, float32, got ['float16']")],
+    ids=["without-table", "dtypes-without-table", "unknown-shape", "unknown-tpu", "unknown-dtype"],
 )  # fmt: skip
 def test_the_table_options_name_what_they_expect(argv, error, capsys):
     from gdn2_tools.tpu_report import main

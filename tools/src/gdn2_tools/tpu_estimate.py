@@ -242,9 +242,16 @@ def estimate_main(args, config) -> int:
 TABLE_SHAPES: Final = {"train": (8, 4096, 6, 128, 128), "long": (1, 32768, 16, 128, 128)}
 
 
-def table_names_problem(shapes: str, tpus: str) -> str | None:
-    """What is wrong with the table's comma-separated ``--shapes`` and ``--tpus``, or None."""
-    for option, value, known in (("--shapes", shapes, TABLE_SHAPES), ("--tpus", tpus, PEAKS)):
+#: The input dtypes of the table's rows.
+TABLE_DTYPES: Final = ("bfloat16", "float32")
+
+
+def table_names_problem(shapes: str, tpus: str, dtypes: str = ",".join(TABLE_DTYPES)) -> str | None:
+    """What is wrong with the table's comma-separated ``--shapes``, ``--tpus`` and ``--dtypes``,
+    or None."""
+    options = (("--shapes", shapes, TABLE_SHAPES), ("--tpus", tpus, PEAKS),
+               ("--dtypes", dtypes, TABLE_DTYPES))  # fmt: skip
+    for option, value, known in options:
         unknown = [x for x in value.split(",") if x not in known]
         if unknown:
             return f"{option}: expected names of {', '.join(known)}, got {unknown}"
@@ -256,19 +263,20 @@ def _mib(value: float | None) -> str:
 
 
 def table_main(argv: Sequence[str]) -> int:
-    """``gdn2 tpu-report --table OUT.md [--json OUT.json] [--shapes ...] [--tpus ...]``: the table
-    of docs/results.md (every row a compiler estimate): pallas_tpu and jax_ref, train step and
-    forward, per shape, generation and dtype, with pallas_tpu's compiled temp HBM."""
+    """``gdn2 tpu-report --table OUT.md [--json OUT.json] [--shapes ...] [--tpus ...]
+    [--dtypes ...]``: the table of docs/results.md (every row a compiler estimate): pallas_tpu and
+    jax_ref, train step and forward, per shape, generation and dtype, with pallas_tpu's compiled
+    temp HBM."""
     import argparse
 
     p = argparse.ArgumentParser(prog="gdn2 tpu-report --table")
     p.add_argument("--table", required=True, help="markdown output file")
     p.add_argument("--json", help="raw rows")
     p.add_argument("--tpus", default="v5e,v6e")
-    p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument("--dtypes", default=",".join(TABLE_DTYPES))
     p.add_argument("--shapes", default=",".join(TABLE_SHAPES))
     args = p.parse_args(list(argv))
-    problem = table_names_problem(args.shapes, args.tpus)
+    problem = table_names_problem(args.shapes, args.tpus, args.dtypes)
     if problem:
         p.error(problem)
     from gdn2core import DEFAULT_CONFIG

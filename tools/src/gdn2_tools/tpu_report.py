@@ -18,7 +18,7 @@ from typing import Final
 
 from gdn2_tools.preflight import missing
 from gdn2_tools.tpu import TOPOLOGIES
-from gdn2_tools.tpu_estimate import PEAKS, TABLE_SHAPES, table_names_problem
+from gdn2_tools.tpu_estimate import PEAKS, TABLE_DTYPES, TABLE_SHAPES, table_names_problem
 
 LABEL: Final = "compile-time analysis (no TPU run)"
 
@@ -125,6 +125,12 @@ def _parser() -> argparse.ArgumentParser:
         default="v5e,v6e",
         help=f"with --table: its TPUs, comma-separated, of {', '.join(PEAKS)} (default %(default)s)",
     )
+    p.add_argument(
+        "--dtypes",
+        default=",".join(TABLE_DTYPES),
+        help=f"with --table: its input dtypes, comma-separated, of {', '.join(TABLE_DTYPES)} "
+        "(default %(default)s)",
+    )
     return p
 
 
@@ -136,12 +142,10 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     ):
         p.error("--segment-ids, --value-heads, --gate, --gates and --g-dtype apply to --estimate "
                 "only")  # fmt: skip
-    if not args.table and (args.shapes, args.tpus) != (
-        p.get_default("shapes"),
-        p.get_default("tpus"),
-    ):
-        p.error("--shapes and --tpus apply to --table only")
-    problem = table_names_problem(args.shapes, args.tpus)
+    table_options = ("shapes", "tpus", "dtypes")
+    if not args.table and any(getattr(args, n) != p.get_default(n) for n in table_options):
+        p.error("--shapes, --tpus and --dtypes apply to --table only")
+    problem = table_names_problem(args.shapes, args.tpus, args.dtypes)
     if problem:
         p.error(problem)
     if args.g_dtype and args.dtype != "bfloat16":
@@ -192,8 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if args.table:
             return tpu_estimate.table_main(
-                ["--table", args.table, "--shapes", args.shapes, "--tpus", args.tpus]
-            )
+                ["--table", args.table, "--shapes", args.shapes, "--tpus", args.tpus,
+                 "--dtypes", args.dtypes]
+            )  # fmt: skip
         from gdn2core import DEFAULT_CONFIG, PRESETS
 
         config = DEFAULT_CONFIG if args.config == "default" else PRESETS[args.config]
