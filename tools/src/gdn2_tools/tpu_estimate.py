@@ -242,11 +242,12 @@ def estimate_main(args, config) -> int:
 TABLE_SHAPES: Final = {"train": (8, 4096, 6, 128, 128), "long": (1, 32768, 16, 128, 128)}
 
 
-#: The input dtypes of the table's rows.
+#: The TPUs and input dtypes of the table's rows by default.
+TABLE_TPUS: Final = ("v5e", "v6e")
 TABLE_DTYPES: Final = ("bfloat16", "float32")
 
 
-def table_names_problem(shapes: str, tpus: str, dtypes: str = ",".join(TABLE_DTYPES)) -> str | None:
+def table_names_problem(shapes: str, tpus: str, dtypes: str) -> str | None:
     """What is wrong with the table's comma-separated ``--shapes``, ``--tpus`` and ``--dtypes``,
     or None."""
     options = (("--shapes", shapes, TABLE_SHAPES), ("--tpus", tpus, PEAKS),
@@ -272,7 +273,7 @@ def table_main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="gdn2 tpu-report --table")
     p.add_argument("--table", required=True, help="markdown output file")
     p.add_argument("--json", help="raw rows")
-    p.add_argument("--tpus", default="v5e,v6e")
+    p.add_argument("--tpus", default=",".join(TABLE_TPUS))
     p.add_argument("--dtypes", default=",".join(TABLE_DTYPES))
     p.add_argument("--shapes", default=",".join(TABLE_SHAPES))
     args = p.parse_args(list(argv))

@@ -18,7 +18,13 @@ from typing import Final
 
 from gdn2_tools.preflight import missing
 from gdn2_tools.tpu import TOPOLOGIES
-from gdn2_tools.tpu_estimate import PEAKS, TABLE_DTYPES, TABLE_SHAPES, table_names_problem
+from gdn2_tools.tpu_estimate import (
+    PEAKS,
+    TABLE_DTYPES,
+    TABLE_SHAPES,
+    TABLE_TPUS,
+    table_names_problem,
+)
 
 LABEL: Final = "compile-time analysis (no TPU run)"
 
@@ -122,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tpus",
-        default="v5e,v6e",
+        default=",".join(TABLE_TPUS),
         help=f"with --table: its TPUs, comma-separated, of {', '.join(PEAKS)} (default %(default)s)",
     )
     p.add_argument(
