@@ -17,14 +17,18 @@ H=6 d=128): one unit per step costs about 4x the cycles of ``hb=6, nc=4`` per ch
   on one core: a smaller block would need the head-major copy of every input);
 - ``nc``: up to ``MAX_STEP_ROWS / (hb C)`` chunks, preferring a divisor of the number of chunks
   (no padding), reduced until the VMEM byte model fits the budget. A training plan (the training
-  forward and the backward) takes at least ``dv / C`` chunks (``nc C >= dv`` tokens a step): the
-  state it saves for the backward at every step, ``dk x dv`` per head, is then at most ``dk``
-  values per token and head, as much as the token's key. At ``dv = 128`` that is what the rows
-  give already; at ``dv = 256`` (grouped value heads with b, g on the key heads run as ``G dv``
-  wide heads) it doubles ``nc`` to 4: the train step's temp HBM at B=1 T=32768 H=16 HV=32 d=128
-  bf16 on v5e 322 -> 194 MiB, its kernels 0.9% slower (docs/results.md). The ``cu_seqlens``
-  row (:func:`varlen_plan`) keeps the planned ``nc`` in training too: its chunk table is checked
-  against SMEM for that one plan.
+  forward and the backward) takes at least ``dv / C`` chunks (``nc C >= dv`` tokens a step) and
+  at least ``dk dv / C^2`` (``nc C^2 >= dk dv``): the state it saves for the backward at every
+  step, ``dk x dv`` per head, is then at most ``dk`` values per token and head (as much as the
+  token's key) and at most ``C`` (as much as the chunk matrices ``T | A_qk`` saved beside it, ``C
+  x C`` per chunk). At ``dk = dv = 128``, ``C = 64`` that is 4 chunks: 16 heads (8-head steps,
+  which plan 2) take 4, the train step's temp HBM at B=1 T=32768 H=16 on v5e 192 -> 128 MiB in
+  bfloat16 and 384 -> 256 MiB in float32, its kernels about 0.5% slower (static estimate at
+  T=2048, docs/results.md); 256-wide value heads (grouped value heads with b, g on the key heads
+  run as ``G dv`` wide heads) ask for 8 and get the 4 that fit the VMEM: the train step's temp
+  HBM at B=1 T=32768 H=16 HV=32 d=128 bf16 on v5e 322 -> 194 MiB against 2 chunks, its kernels
+  0.9% slower (docs/results.md). The ``cu_seqlens`` row (:func:`varlen_plan`) keeps the planned
+  ``nc`` in training too: its chunk table is checked against SMEM for that one plan.
 
 The sequence is padded at the end with zero tokens (``k = 0, g = 0`` leave the state unchanged) to
 a whole number of steps, ``t_pad = ceil(T / (nc C)) nc C``.
@@ -455,8 +459,8 @@ def make_plan(
     sequences of a ``cu_seqlens`` call (0 otherwise; :func:`varlen_plan` gives the row);
     ``chunk_states``: an inference forward that also writes every chunk's entry state;
     ``scalar_gates``: the gates read as one value per head and token (``spec.scalar_gates``);
-    ``training``: the plan of the training forward and the backward (at least ``dv / C`` chunks a
-    step, so that the saved step states stay small); ``cores``: the TensorCores that share the
+    ``training``: the plan of the training forward and the backward (at least ``dv / C`` and
+    ``dk dv / C^2`` chunks a step, so that the saved step states stay small); ``cores``: the TensorCores that share the
     parallel grid axes (None: :func:`tensor_cores` of the target; interpret mode: the simulated
     cores).
 
@@ -479,9 +483,9 @@ def make_plan(
     nc = max(d for d in range(1, nc_max + 1) if n_chunks % d == 0)
     if nc < nc_max // 2:  # e.g. a prime number of chunks: pad rather than lose the batching
         nc = nc_max
-    if training:  # nc C >= dv: the smallest divisor of the chunks from there, else pad
+    if training:  # nc C >= dv and nc C^2 >= dk dv: the smallest divisor from there, else pad
         cap = min(MAX_CHUNKS_PER_STEP, n_chunks)
-        nc_min = min(cap, -(-spec.dv // C))
+        nc_min = min(cap, max(-(-spec.dv // C), -(-spec.dk * spec.dv // (C * C))))
         if nc < nc_min:
             nc = next((d for d in range(nc_min, cap + 1) if n_chunks % d == 0), nc_min)
     while True:
