@@ -4,6 +4,8 @@ rows of a level and the WY inverse by levels, against NumPy in float64; the prod
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -70,3 +72,30 @@ def test_batching_is_set_only_while_a_kernel_is_traced():
     assert traced_for(matmul._BATCHED.get, True)() is True
     assert traced_for(matmul._BATCHED.get, False)() is False
     assert not matmul._BATCHED.get()
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["per-unit", "batched"])
+def test_row_sums_on_the_mxu_against_float64_cumsums(batched):
+    """chunk_math.row_sums_on_mxu (the bfloat16 backward's Γ and dg) against NumPy's float64
+    cumsums, per unit (the compiled kernels) and batched (interpret mode). One piece of
+    bfloat16 numbers: float32 sums of the exact values, so within float32 rounding of the sums
+    (64 terms: 1e-6 of the largest partial sum); two pieces of float32 values: each term to 16
+    significant bits (2^-16 of it, 1.5e-5) before the same sums. A wrong matrix (the reverse
+    sum for the exclusive one, the diagonal in or out) is off by a whole term, O(1)."""
+    rng = np.random.default_rng(7)
+    U, C, d = 3, 64, 128
+    g = np.asarray(jnp.asarray(-rng.exponential(2.0, (U, C, d)), jnp.bfloat16), np.float64)
+    a, b = rng.standard_normal((2, U, C, d))
+    ones = np.tril(np.ones((C, C)))
+    want_g = np.einsum("rs,usd->urd", ones, g)  # inclusive
+    want_ab = np.einsum("rs,usd->urd", ones.T, a) + np.einsum("rs,usd->urd", ones - np.eye(C), b)
+
+    def run(terms, parts):
+        body = functools.partial(cm.row_sums_on_mxu, terms, parts)
+        return np.asarray(traced_for(body, batched)(), np.float64)
+
+    got_g = run([(jnp.asarray(g, jnp.float32), "inclusive")], 1)
+    assert np.max(np.abs(got_g - want_g)) <= 1e-6 * np.max(np.abs(want_g))
+    terms = [(jnp.asarray(a, jnp.float32), "reverse"), (jnp.asarray(b, jnp.float32), "exclusive")]
+    got_ab = run(terms, 2)
+    assert np.max(np.abs(got_ab - want_ab)) <= 2**-16 * C * max(np.abs(a).max(), np.abs(b).max())

@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from gdn2_pallas_tpu.matmul import MatmulPrecision, mm, mm_nt, mm_tn
+from gdn2_pallas_tpu.matmul import MatmulPrecision, mm, mm_nt, mm_shared, mm_tn, split_bf16
 from gdn2_pallas_tpu.plan import MERGED_EXPONENT, NUM_LANES, NUM_SUBLANES
 
 F32 = jnp.float32
@@ -114,6 +114,35 @@ def cumsum_rows(x: jax.Array, reverse: bool = False, seg: Segments | None = None
         x = x + jnp.where(keep, roll_rows(x, step), ZERO)
         shift *= 2
     return x
+
+
+def row_sums_on_mxu(terms: list[tuple[jax.Array, str]], parts: int) -> jax.Array:
+    """``sum_i M_i x_i`` per unit as one MXU product, for ``terms`` of ``x_i`` [U, C, d] float32
+    and the kind of ``M_i`` [C, C] (0/1): ``"inclusive"`` (row r sums the rows s <= r, as
+    :func:`cumsum_rows`), ``"reverse"`` (s >= r) or ``"exclusive"`` (s < r). No sequence starts
+    (:func:`cumsum_rows` takes those).
+
+    Each ``x_i`` enters as ``parts`` bfloat16 pieces stacked along the contraction, ``M_i`` as
+    many times beside itself: ``parts = 1`` when its values are bfloat16 numbers (then the sums
+    are float32 sums of the exact values), 2 otherwise (:func:`split_bf16`: 16 significant bits
+    of float32's 24, for the bfloat16 backward's sums of float32 terms that already carry
+    bfloat16 roundings). :func:`cumsum_rows` takes log2(C) rolls and masked adds of the whole
+    ``[U, C, d]`` array, each stored to VMEM in a step bound by its stores (docs/algorithm.md
+    section 10); this takes one ``[C, parts n C] x [parts n C, d]`` product per unit."""
+    U, C, _ = terms[0][0].shape
+    r, s = iota((C, C), 0), iota((C, C), 1)
+    kinds = {"inclusive": s <= r, "reverse": s >= r, "exclusive": s < r}
+    ones = [jnp.where(kinds[kind], 1.0, 0.0).astype(jnp.bfloat16) for _, kind in terms]
+    M = jnp.concatenate([m for m in ones for _ in range(parts)], axis=1)  # [C, parts n C]
+
+    def pieces(x):  # [.., C, d] float32 -> its bfloat16 pieces
+        return [x.astype(jnp.bfloat16)] if parts == 1 else list(split_bf16(x))
+
+    def stacked(u):  # [parts n C, d] bfloat16 of unit u ([U, parts n C, d] for None)
+        xs = [x if u is None else x[u] for x, _ in terms]
+        return jnp.concatenate([p for x in xs for p in pieces(x)], axis=-2)
+
+    return mm_shared(M, stacked, U, MatmulPrecision.BF16)  # [U, C, d]
 
 
 def n_levels(C: int) -> int:
@@ -358,11 +387,23 @@ def clamp_log_decay(g: jax.Array) -> jax.Array:
 
 
 def chunk_local(
-    q, k, v, w, b, g, seg: Segments | None = None, block: int = 1, scalar_decay: bool = False
+    q,
+    k,
+    v,
+    w,
+    b,
+    g,
+    seg: Segments | None = None,
+    block: int = 1,
+    scalar_decay: bool = False,
+    gamma_on_mxu: bool = False,
 ) -> ChunkLocal:
     """F1-F3 and the decay levels for [U, C, d] float32 inputs (``g`` already clamped); ``block``:
     the rows whose levels merge (a bounded gate, :func:`decay_levels`); ``scalar_decay``: ``g``
-    is the same on every channel, and the pairs take one :class:`PairDecay` instead.
+    is the same on every channel, and the pairs take one :class:`PairDecay` instead;
+    ``gamma_on_mxu``: Γ by :func:`row_sums_on_mxu` (exact for ``g`` of bfloat16 numbers; no
+    ``seg``): the bfloat16 backward takes it, the forward kernels keep the rolls (on the MXU their
+    step took 1.3% more cycles, docs/algorithm.md section 10).
 
     With ``seg`` (packed sequences): Γ restarts at every sequence start; exp(Γ) (the decay from
     the chunk's entry state) is 0 on rows after a start in the chunk, exp(Γ_C - Γ) (to the
@@ -370,7 +411,10 @@ def chunk_local(
     a start. All by exponents masked to the finite :data:`MASKED` (``exp(MASKED) = 0``; never
     ``exp(-inf)``), so no value of another sequence ever enters."""
     C = k.shape[1]
-    gamma_cum = cumsum_rows(g, seg=seg)  # [U, C, K] F1
+    if gamma_on_mxu:
+        gamma_cum = row_sums_on_mxu([(g, "inclusive")], parts=1)  # [U, C, K] F1
+    else:
+        gamma_cum = cumsum_rows(g, seg=seg)  # [U, C, K] F1
     gamma_last = gamma_cum[:, C - 1 : C, :]  # [U, 1, K] Γ_C
     to_entry, to_end, whole = gamma_cum, gamma_last - gamma_cum, gamma_last
     if seg is not None:

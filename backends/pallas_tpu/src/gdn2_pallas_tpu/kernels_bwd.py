@@ -28,7 +28,7 @@ from gdn2_pallas_tpu import activations as act
 from gdn2_pallas_tpu import blocks, refs, state_writes, varlen
 from gdn2_pallas_tpu import chunk_math as cm
 from gdn2_pallas_tpu.cost import cost_backward
-from gdn2_pallas_tpu.matmul import mm, mm_nt, mm_tn, traced_for
+from gdn2_pallas_tpu.matmul import MatmulPrecision, mm, mm_nt, mm_tn, traced_for
 from gdn2_pallas_tpu.plan import Plan
 
 F32 = jnp.float32
@@ -114,7 +114,11 @@ def _step(r: BackwardRefs, plan: Plan, merged: int):
         q, k, b, w, g_in = x.q, x.k, x.b, x.w, x.g
     g = cm.clamp_log_decay(g_in)
     seg = None if r.starts is None else cm.Segments.from_starts(blocks.load_starts(r.starts, plan))
-    L = cm.chunk_local(q, k, v, w, b, g, seg, merged, plan.scalar_decay)
+    # The row sums along the chunks (Γ, dg) as MXU products (chunk_math.row_sums_on_mxu) in the
+    # bfloat16 backward without sequence starts; the float32 one keeps float32 sums of rolls.
+    sums_on_mxu = seg is None and p.grads is MatmulPrecision.BF16
+    on_mxu = sums_on_mxu and plan.decay_in_bf16  # Γ of bfloat16 numbers: exact sums
+    L = cm.chunk_local(q, k, v, w, b, g, seg, merged, plan.scalar_decay, gamma_on_mxu=on_mxu)
     TA = blocks.unpack_lanes(r.TA[...].astype(F32), plan)  # [U, C, C]
     rr, ss = cm.iota((C, C), 0), cm.iota((C, C), 1)
     A_qk = jnp.where(ss <= rr, TA, cm.ZERO)  # [U, C, C]
@@ -208,10 +212,13 @@ def _step(r: BackwardRefs, plan: Plan, merged: int):
     # exclusive forward cumsum, rather than "-dK̃⊙K̃ at row r, their sum at row C" cancelling
     # through the reverse cumsum (K̃ of the last real token has factor exp(0), also when the
     # chunk ends in padding).
-    rows = cm.iota(dKK.shape, 1)
-    previous = rows >= 1 if seg is None else (rows >= 1) & seg.same_as_shifted(1)
-    dKK_before = cm.cumsum_rows(jnp.where(previous, cm.roll_rows(dKK, 1), cm.ZERO), seg=seg)
-    dg = cm.cumsum_rows(d_gamma, reverse=True, seg=seg) + dKK_before  # sums inside a sequence
+    if sums_on_mxu:  # the same two sums as one product: 16 bits of each term, float32 sums
+        dg = cm.row_sums_on_mxu([(d_gamma, "reverse"), (dKK, "exclusive")], parts=2)
+    else:
+        rows = cm.iota(dKK.shape, 1)
+        previous = rows >= 1 if seg is None else (rows >= 1) & seg.same_as_shifted(1)
+        dKK_before = cm.cumsum_rows(jnp.where(previous, cm.roll_rows(dKK, 1), cm.ZERO), seg=seg)
+        dg = cm.cumsum_rows(d_gamma, reverse=True, seg=seg) + dKK_before  # inside a sequence
     dg = jnp.where(g_in >= cm.G_FLOOR, dg, cm.ZERO)  # the clamp's gradient
     dv, dw = dZ * w, dZ * v  # B6
     if plan.fused:  # gradients of the raw inputs, and this step's dA_log / d dt_bias sums

@@ -140,3 +140,18 @@ def mm_nt(a: jax.Array, b: jax.Array, precision: MatmulPrecision) -> jax.Array:
 def mm_tn(a: jax.Array, b: jax.Array, precision: MatmulPrecision) -> jax.Array:
     """``a^T @ b`` per unit: [U, k, m] x [U, k, n] -> [U, m, n] float32."""
     return _dot(a, b, ((1,), (1,)), precision)
+
+
+def mm_shared(
+    a: jax.Array, b_of: Callable[[int | None], jax.Array], units: int, precision: MatmulPrecision
+) -> jax.Array:
+    """``a @ b`` per unit with one ``a`` [m, k] for every unit: ``b_of(u)`` is unit u's [k, n]
+    (formed from its two-dimensional slices, so that a bfloat16 cast inside it is two-dimensional,
+    :func:`_dot`), ``b_of(None)`` all units' [U, k, n] at once (interpret mode's one batched
+    product) -> [U, m, n] float32."""
+    if _BATCHED.get():
+        b = b_of(None)
+        a = jnp.broadcast_to(a, (b.shape[0], *a.shape))
+        return _dot_any(a, b, (((2,), (1,)), ((0,), (0,))), precision)
+    dims = (((1,), (0,)), ((), ()))
+    return jnp.stack([_dot_any(a, b_of(u), dims, precision) for u in range(units)])

@@ -294,6 +294,18 @@ class Plan:
         return self.fused and self.activations.gate != "none"
 
     @property
+    def decay_in_bf16(self) -> bool:
+        """Whether the kernels' ``g`` (clamped at ``G_FLOOR``, a bfloat16 number) holds bfloat16
+        numbers: bfloat16 inputs, ``g`` on the channels in that dtype, not computed by a fused
+        gate."""
+        return (
+            jnp.dtype(self.dtype) == jnp.bfloat16
+            and not self.float32_decay
+            and not self.scalar("g")
+            and not self.fused
+        )
+
+    @property
     def scalar_decay(self) -> bool:
         """The decay ``g`` is one value per head and token, the same on every channel, so each
         pair of a chunk has one factor (chunk_math.PairDecay) and needs no levels. With the fused
