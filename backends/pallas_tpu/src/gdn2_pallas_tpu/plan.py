@@ -472,9 +472,9 @@ def make_plan(
     ``chunk_states``: an inference forward that also writes every chunk's entry state;
     ``scalar_gates``: the gates read as one value per head and token (``spec.scalar_gates``);
     ``training``: the plan of the training forward and the backward (at least ``dv / C`` and
-    ``dk dv / C^2`` chunks a step, so that the saved step states stay small); ``cores``: the TensorCores that share the
-    parallel grid axes (None: :func:`tensor_cores` of the target; interpret mode: the simulated
-    cores).
+    ``dk dv / C^2`` chunks a step, so that the saved step states stay small); ``cores``: the
+    TensorCores that share the parallel grid axes (None: :func:`tensor_cores` of the target;
+    interpret mode: the simulated cores).
 
     Raises:
         TypeError: ``config`` is another backend's config class (:class:`PallasTpuConfig`).
