@@ -110,18 +110,19 @@ def test_eight_heads_token_major_compile_in_place(dtype):
 def test_train_step_saves_the_step_states_in_the_inputs_dtype(dtype):
     """The training forward saves the state entering every grid step for the backward: in
     bfloat16 for bfloat16 inputs (half the bytes of the longest-lived residual at long context),
-    in float32 for float32 inputs (B1 T4096 H16 d128 on v5e: 8 heads x 2 chunks of 64 tokens a
-    step, 32 steps). The same array is the backward kernel's operand."""
+    in float32 for float32 inputs (B1 T4096 H16 d128 on v5e: the training plan's 8 heads x 4
+    chunks of 64 tokens a step, 16 steps). The same array is the backward kernel's operand."""
     from gdn2_pallas_tpu.plan import make_plan
     from gdn2core.ops.forward.spec import OpSpec
 
-    plan = make_plan(OpSpec(1, 4096, 16, 128, 128, dtype, 1.0), DEFAULT_CONFIG, 128 * 2**20)
+    spec = OpSpec(1, 4096, 16, 128, 128, dtype, 1.0)
+    plan = make_plan(spec, DEFAULT_CONFIG, 128 * 2**20, training=True)
     assert jnp.dtype(plan.saved_state_dtype).name == dtype
     compiled = compile_for_tpu("v5e:1x1", "train", 1, 4096, 16, 128, 128, dtype, DEFAULT_CONFIG)
     text = compiled.as_text()
     states = f"[1,{plan.head_groups},{plan.n_steps},{plan.hb},128,128]"
     kept, other = ("bf16", "f32") if dtype == "bfloat16" else ("f32", "bf16")
-    assert (plan.head_groups, plan.n_steps, plan.hb) == (2, 32, 8)
+    assert (plan.head_groups, plan.n_steps, plan.hb) == (2, 16, 8)
     assert kept + states in text and other + states not in text
 
 
