@@ -72,7 +72,7 @@ test-floors:
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow -q
 
-# The full deviceless TPU compile matrix (part of test-slow; .ci/run runs it after make test).
+# The deviceless TPU compile matrix (part of test-slow; .ci/run runs it after make test).
 test-tpu-compile: $(STAMP)
 	ALLOW_MULTIPLE_LIBTPU_LOAD=1 $(PY) -m pytest -m "tpu_compile and slow" -q -n 2
 

@@ -9,7 +9,7 @@ os.environ.setdefault("TPU_LOG_DIR", "disabled")
 import pytest
 
 from tests.support import worker_crash
-from tests.tiers import is_full
+from tests.tiers import is_full, is_slow
 
 
 def pytest_configure(config):
@@ -18,11 +18,14 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark the tests of the full tier (tests/tiers.py): `make test` runs the rest."""
+    """Mark the tests of the full tier and the long sweeps (tests/tiers.py): `make test` runs the
+    rest."""
     quick = set()  # test functions with a parametrization in the quick tier already
     for item in items:
         function = item.nodeid.split("[")[0]
-        if is_full(item.nodeid, function not in quick):
+        if is_slow(item.nodeid):
+            item.add_marker(pytest.mark.slow)
+        elif is_full(item.nodeid, function not in quick):
             item.add_marker(pytest.mark.full)
         else:
             quick.add(function)

@@ -7,15 +7,21 @@
 - a test function with several parametrizations keeps its first one that no other rule sends to
   the full tier;
 - the conformance suite: jax_ref's second target (the default blocking), pallas_tpu's
-  race-detection target (interpret mode on two simulated cores: 12 more minutes, as long as the
-  interpret target) and, for every target, the checks that repeat a feature the quick tier
-  already runs (gradients of the forget-gate cases, dg's own-size check, jit+vmap+grad, x64,
-  features combined, no-leakage beyond jax_ref);
+  race-detection target (interpret mode on two simulated cores) and, for every other target,
+  the checks that repeat a feature the quick tier already runs (gradients of the forget-gate
+  cases, dg's own-size check, jit+vmap+grad, x64, features combined, no-leakage beyond jax_ref);
 - the Pallas interpret-mode repeats of forget gates and x64 (jax_ref and scan_baseline keep them);
 - the slow end-to-end files: the examples (but the minimal usage), multi-device, the deviceless
   compiles (but one train step for v5e), packaging, the simulated-device and TPU-estimate benches;
 - the ragged op's repeats: the Pallas interpret-mode step (the quick tier compiles it for v5e and
   runs every path on jax_ref), a request split across two calls, the layer's jitted step.
+
+The long sweeps (marker ``slow``, `make test-slow`; CI runs only their compile matrix) take, besides the tests marked so
+in their files, those repeat checks on the two full targets (:func:`is_slow`): a second target
+is there for its own configuration (the default blocking; the race detector), which its other
+checks exercise, and the repeats took 511 s of CPU there (`pytest --durations=0`, CPU here, 2026-12-06: 386 s
+on the race-detection target, 125 s on jax_ref's second). Every kernel and
+feature path also runs under the race detector in tests/pallas_tpu/test_races.py (CI).
 """
 
 from __future__ import annotations
@@ -58,6 +64,38 @@ FULL_FUNCTIONS = (
 FULL_TARGETS = ("jax_ref-default", "pallas_tpu-races")
 #: Checks the quick tier runs on one backend only.
 ONE_BACKEND = {"test_segments_no_leakage": "jax_ref", "test_varlen_no_leakage": "jax_ref"}
+#: Checks the quick tier runs on jax_ref and scan_baseline only (Pallas: the full tier).
+PALLAS_ONLY = ("test_forget_gates", "test_x64_enabled")
+
+
+def _parts(nodeid: str) -> tuple[str, str, str]:
+    """``(path, function name, parametrization id)`` of a node id."""
+    path, _, rest = nodeid.partition("::")
+    name, _, params = rest.rpartition("::")[2].partition("[")
+    return path, name, params
+
+
+def _target(params: str) -> str:
+    """The conformance target that opens a parametrization id."""
+    return params.split("-B")[0].split("-N")[0].rstrip("]")
+
+
+def _repeats_a_feature(name: str, params: str) -> bool:
+    """A conformance check that repeats a feature the quick tier already runs on its target."""
+    return (
+        f"::{name}" in FULL_FUNCTIONS
+        or name in ONE_BACKEND
+        or (name in PALLAS_ONLY and "pallas" in params)
+    )
+
+
+def is_slow(nodeid: str) -> bool:
+    """Whether the test ``nodeid`` goes to the long sweeps (module docstring): a check of a full
+    target (FULL_TARGETS) that repeats a feature."""
+    path, name, params = _parts(nodeid)
+    if not path.endswith("test_conformance.py") or _target(params) not in FULL_TARGETS:
+        return False
+    return _repeats_a_feature(name, params)
 
 
 def is_full(nodeid: str, first_of_function: bool) -> bool:
@@ -70,16 +108,14 @@ def is_full(nodeid: str, first_of_function: bool) -> bool:
     Returns:
         True for the full tier, False for the quick tier.
     """
-    path, _, rest = nodeid.partition("::")
-    name, _, params = rest.rpartition("::")[2].partition("[")
+    path, name, params = _parts(nodeid)
     if path.startswith(FULL_FILES):
         return True
     if f"{path}::{name}" in FULL_FUNCTIONS or f"::{name}" in FULL_FUNCTIONS:
         return True
-    pallas_only = ("test_forget_gates", "test_x64_enabled")  # jax_ref and scan_baseline keep them
-    if path.endswith("test_conformance.py") and name in pallas_only and "pallas" in params:
+    if path.endswith("test_conformance.py") and name in PALLAS_ONLY and "pallas" in params:
         return True
-    target = params.split("-B")[0].split("-N")[0].rstrip("]")
+    target = _target(params)
     if path.endswith("test_conformance.py"):
         if target in FULL_TARGETS:
             return True

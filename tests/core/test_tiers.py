@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.tiers import is_full
+from tests.tiers import is_full, is_slow
 
 ROOT = Path(__file__).resolve().parents[2]
 #: What each of our conformance targets must run in the quick tier (the features it claims; the
@@ -45,3 +45,11 @@ def test_the_rules():
     assert is_full(f"{conformance}test_jit_vmap_grad[jax_ref]", True)
     assert is_full("tests/multidevice/test_multidevice.py::test_eight_simulated_devices", True)
     assert not is_full("tests/core/test_spec.py::test_shapes", True)
+    # a full target's repeat checks: the long sweeps; its own checks and other targets' stay
+    assert is_slow(f"{conformance}test_jit_vmap_grad[jax_ref-default]")
+    races = "tests/conformance/test_conformance.py::TestPallasTpuRaces::"
+    assert is_slow(f"{races}test_varlen_no_leakage[pallas_tpu-races]")
+    assert is_slow(f"{races}test_forget_gates[pallas_tpu-races-B1T5]")
+    assert not is_slow(f"{races}test_gradients[pallas_tpu-races-B1T33H1k64v128-h0-b1-strong-s2]")
+    assert not is_slow(f"{conformance}test_jit_vmap_grad[jax_ref]")
+    assert not is_slow("tests/pallas_tpu/test_races.py::test_kernel_is_race_free[train_B2_H1]")
