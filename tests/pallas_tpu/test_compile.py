@@ -32,21 +32,22 @@ def test_train_step_compiles_for_v5e_within_memory_budget(dtype):
 @pytest.mark.parametrize(
     ("value_heads", "dtype", "residual_mib"),
     [
-        (0, "bfloat16", 128),
-        (32, "bfloat16", 192),
-        pytest.param(0, "float32", 256, marks=[pytest.mark.slow, pytest.mark.tpu_compile]),
+        (0, "bfloat16", 127.5),
+        (32, "bfloat16", 191),
+        pytest.param(0, "float32", 255, marks=[pytest.mark.slow, pytest.mark.tpu_compile]),
     ],
     ids=["H16", "H16-HV32", "H16-float32"],
 )
 def test_long_context_train_step_within_memory_budget(value_heads, dtype, residual_mib):
     """B=1 T=32768 H=16 d=128 on v5e: the temp HBM is the residuals and little else. With 16
     heads, 4 chunks a step in training (``nc C^2 >= dk dv``, plan.py): the state entering each of
-    the 128 grid steps of 2 head groups (64 MiB in bfloat16) and the packed ``T`` | ``A_qk`` (64
-    MiB); float32 inputs save both in float32 (128 + 128 MiB). With 32 value heads (b, g on the
-    key heads: 16 heads of ``2 x 128`` value channels), the 4 chunks a step that fit the VMEM keep
-    the states at 128 MiB. The cotangent arrives in o's dtype, as a model's does, so no converted
-    copy of it sits beside them. What the compiled step adds to the residuals (0.18 MiB here) is
-    XLA's scratch for the loss's reductions, within the 4 MiB allowed."""
+    the 128 grid steps of 2 head groups but the first (h0, not saved; 63.5 MiB in bfloat16) and
+    the packed ``T`` | ``A_qk`` (64 MiB); float32 inputs save both in float32 (127 + 128 MiB).
+    With 32 value heads (b, g on the key heads: 16 heads of ``2 x 128`` value channels), the 4
+    chunks a step that fit the VMEM keep the states at 127 MiB. The cotangent arrives in o's
+    dtype, as a model's does, so no converted copy of it sits beside them. What the compiled step
+    adds to the residuals (0.18 MiB here) is XLA's scratch for the loss's reductions, within the
+    4 MiB allowed; the whole is within the 256 MiB target."""
     from gdn2_pallas_tpu.plan import make_plan
     from gdn2core.ops.forward.spec import OpSpec
 
@@ -54,11 +55,11 @@ def test_long_context_train_step_within_memory_budget(value_heads, dtype, residu
     spec = OpSpec(1, 32768, 16, 128, dv, dtype, 1.0)
     plan = make_plan(spec, DEFAULT_CONFIG, 128 * 2**20, training=True)
     residuals = cost.residual_bytes(plan)
-    assert residuals == residual_mib * 2**20 <= TEMP_LIMIT_BYTES
+    assert residuals == residual_mib * 2**20
     compiled = compile_for_tpu("v5e:1x1", "train", 1, 32768, 16, 128, 128, dtype,
                                DEFAULT_CONFIG, value_heads=value_heads)  # fmt: skip
     temp = compiled.memory_analysis().temp_size_in_bytes
-    assert temp <= residuals + 4 * 2**20, f"temp {temp / 2**20:.1f} MiB"
+    assert temp <= min(residuals + 4 * 2**20, TEMP_LIMIT_BYTES), f"temp {temp / 2**20:.1f} MiB"
 
 
 @pytest.mark.parametrize(("topology", "hb"), [("v5e:1x1", 6), ("v5p:1x1x1", 3)])
@@ -109,10 +110,11 @@ def test_eight_heads_token_major_compile_in_place(dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_train_step_saves_the_step_states_in_the_inputs_dtype(dtype):
-    """The training forward saves the state entering every grid step for the backward: in
-    bfloat16 for bfloat16 inputs (half the bytes of the longest-lived residual at long context),
-    in float32 for float32 inputs (B1 T4096 H16 d128 on v5e: the training plan's 8 heads x 4
-    chunks of 64 tokens a step, 16 steps). The same array is the backward kernel's operand."""
+    """The training forward saves the state entering every grid step but the first (h0) for the
+    backward: in bfloat16 for bfloat16 inputs (half the bytes of the longest-lived residual at
+    long context), in float32 for float32 inputs (B1 T4096 H16 d128 on v5e: the training plan's
+    8 heads x 4 chunks of 64 tokens a step, 16 steps, 15 states saved). The same array is the
+    backward kernel's operand."""
     from gdn2_pallas_tpu.plan import make_plan
     from gdn2core.ops.forward.spec import OpSpec
 
@@ -121,9 +123,9 @@ def test_train_step_saves_the_step_states_in_the_inputs_dtype(dtype):
     assert jnp.dtype(plan.saved_state_dtype).name == dtype
     compiled = compile_for_tpu("v5e:1x1", "train", 1, 4096, 16, 128, 128, dtype, DEFAULT_CONFIG)
     text = compiled.as_text()
-    states = f"[1,{plan.head_groups},{plan.n_steps},{plan.hb},128,128]"
+    states = f"[1,{plan.head_groups},{plan.saved_states},{plan.hb},128,128]"
     kept, other = ("bf16", "f32") if dtype == "bfloat16" else ("f32", "bf16")
-    assert (plan.head_groups, plan.n_steps, plan.hb) == (2, 16, 8)
+    assert (plan.head_groups, plan.n_steps, plan.saved_states, plan.hb) == (2, 16, 15, 8)
     assert kept + states in text and other + states not in text
 
 

@@ -123,13 +123,13 @@ def test_vmem_byte_model_is_enough_for_the_compiler(dtype):
     state = _sds((1, 6, K, V), "float32")
     steps = (1, plan.head_groups, plan.n_steps)
     packed = _sds((*steps, *plan.residual_block), plan.residual_dtype)
-    states = _sds((*steps, hb, K, V), "float32")
+    states = _sds((1, plan.head_groups, plan.saved_states, hb, K, V), plan.saved_state_dtype)
     for backward in (False, True):
         limit = dataclasses.replace(plan, vmem_limit_bytes=vmem_bytes(plan, backward)["total"])
         if backward:
             # q k v w b g dO, no starts / gate parameters / chunk table / per-sequence states
             args = (key, key, val, val, key, key, val, None, None, None, None, None)
-            args += (packed, states, state)
+            args += (packed, states, state, state)  # TA, states, h0, dh_final
         else:
             args = (key, key, val, val, key, key, None, None, None, None, state)
         fn = functools.partial(backward_call if backward else forward_call, plan=limit)

@@ -550,6 +550,21 @@ def residual_spec(plan: Plan, tail: tuple[int, int, int], step_of: Callable) -> 
     )
 
 
+def _saved_state_index(batch, head_group, step, *_, step_of: Callable):
+    """The saved state entering step ``s >= 1`` is block ``s - 1``; step 0 maps to block 0 too
+    (its entry state is ``h0``, not saved), so steps 0 and 1 share a block."""
+    return (batch, head_group, jnp.maximum(step_of(step) - 1, 0), I0, I0, I0)
+
+
+def saved_state_spec(plan: Plan, step_of: Callable) -> pl.BlockSpec:
+    """The ``[hb, K, V]`` block of the ``(B, H / hb, n_steps - 1, hb, K, V)`` saved step-entry
+    states (:attr:`Plan.saved_states`)."""
+    tail = (plan.hb, plan.dk, plan.dv)
+    return pl.BlockSpec(
+        (None, None, None, *tail), functools.partial(_saved_state_index, step_of=step_of)
+    )
+
+
 def pack_lanes(x: jax.Array, plan: Plan) -> jax.Array:
     """[U, C, C] -> [U / pack, C, pack C]: ``pack`` consecutive units side by side in the lanes."""
     pack = plan.lane_pack

@@ -40,13 +40,13 @@ def flops_backward_per_token(plan: Plan) -> float:
 
 def residual_bytes(plan: Plan) -> int:
     """HBM bytes the training forward saves besides the inputs: ``T`` and ``A_qk`` per chunk (one
-    packed matrix) and the entry state of every grid step."""
+    packed matrix) and the entry state of every grid step but the first (``h0``)."""
     import jax.numpy as jnp
 
     rs = jnp.dtype(plan.residual_dtype).itemsize
     units = plan.batch * plan.heads * plan.n_steps * plan.nc
     ss = jnp.dtype(plan.saved_state_dtype).itemsize
-    states = plan.batch * plan.heads * plan.n_steps * plan.dk * plan.dv * ss
+    states = plan.batch * plan.heads * plan.saved_states * plan.dk * plan.dv * ss
     return units * plan.C * plan.C * rs + states
 
 

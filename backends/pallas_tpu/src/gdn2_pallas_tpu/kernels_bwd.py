@@ -54,7 +54,9 @@ class BackwardRefs:
     seq_h0: object | None  # [N, H, K, V] f32 in HBM: per-sequence initial states (plan.varlen)
     seq_dh_final: object | None  # [N, H, K, V] f32 in HBM (plan.varlen)
     TA: object  # [U / pack, C, pack C] saved A_qk (lower, diagonal), T^T (upper), lane-packed
-    state_in: object  # [hb, K, V] saved state entering the step (plan.saved_state_dtype)
+    state_in: object | None  # [hb, K, V] saved state entering the step (plan.saved_state_dtype;
+    #   step 0 reads h0 instead; None with one step)
+    h0: object  # [hb, K, V] f32: the state entering step 0
     dh_final: object  # [hb, K, V] f32
     grads: tuple  # dq, dk, dv, dw, db, dg: in HBM (HEAD_MAJOR; dv, dw with grouped values), or
     #   [nc C, hb, d] blocks; a scalar gate's gradient: its [hb, nc C] f32 block; dq, dk with
@@ -141,8 +143,11 @@ def _step(r: BackwardRefs, plan: Plan, merged: int):
         seqs.read(j, when, r.seq_tmp)
         return r.seq_tmp[...]
 
-    # Pass 0: entry states and residual writes of the step's chunks.
-    S = r.state_in[...].astype(F32)  # [hb, K, V]
+    # Pass 0: entry states and residual writes of the step's chunks. The state entering step 0
+    # is h0 (the forward saves the others).
+    S = r.h0[...]  # [hb, K, V]
+    if r.state_in is not None:
+        S = jnp.where(step == 0, S, r.state_in[...].astype(F32))  # [hb, K, V]
     S_in, R_all = [], []
     for j in range(plan.nc):
         if seqs is not None:  # a sequence's first chunk starts from its own h0
@@ -250,11 +255,12 @@ def _step(r: BackwardRefs, plan: Plan, merged: int):
 
 
 def backward_call(
-    q, k, v, w, b, g, dO, starts, gate_params, table, seq_h0, seq_dh_final, TA, states,
+    q, k, v, w, b, g, dO, starts, gate_params, table, seq_h0, seq_dh_final, TA, states, h0,
     dh_final, *, plan: Plan,
 ):  # fmt: skip
-    """Kernel-layout inputs and dO, sequence starts and gate parameters (or None), residuals,
-    dh_final -> (dq, dk, dv, dw, db, dg, dh0), and with a fused gate the per-step sums
+    """Kernel-layout inputs and dO, sequence starts and gate parameters (or None), residuals
+    (the saved states of steps 1 to ``n_steps - 1``, None with one step), h0 ``(B, H, K, V)``
+    f32, dh_final -> (dq, dk, dv, dw, db, dg, dh0), and with a fused gate the per-step sums
     ``(B, H / hb, n_steps, hb, 2, K)`` of dA_log (row 0, per channel) and d dt_bias (row 1)."""
     B, H, K, V, hb = plan.batch, plan.heads, plan.dk, plan.dv, plan.hb
     step_of = blocks.reverse_step(plan.n_steps)
@@ -283,7 +289,7 @@ def backward_call(
     ]
     res = (B, plan.head_groups, plan.n_steps)  # residuals: one block per grid step
     packed = blocks.residual_spec(plan, plan.residual_block, step_of)  # T^T | A_qk
-    entry = blocks.residual_spec(plan, (hb, K, V), step_of)  # step entry states
+    entry = blocks.saved_state_spec(plan, step_of)  # step entry states but step 0's
     kernel_refs = refs.Table(
         refs.Input("q", qk, q),
         refs.Input("k", qk, k),
@@ -299,6 +305,7 @@ def backward_call(
         refs.Input("seq_dh_final", blocks.hbm_any(), on(plan.varlen, seq_dh_final)),
         refs.Input("TA", packed, TA),
         refs.Input("state_in", entry, states),
+        refs.Input("h0", state, h0),
         refs.Input("dh_final", state, dh_final),
         refs.Output(  # dq, dk, dv, dw, db, dg in the inputs' kernel layout (scalar gates: f32)
             "grads",

@@ -55,6 +55,7 @@ class ForwardRefs:
     #   or the pool (plan.pooled, aliased to seq_h0)
     TA_out: object | None  # [U / pack, C, pack C] residual: A_qk (lower), T^T (upper), lane-packed
     state_out: object | None  # [hb, K, V] plan.saved_state_dtype: the state entering this step
+    #   (steps >= 1; plan.saved_states)
     chunks_out: object | None  # [nc, hb, K, V] f32: the state entering each chunk of the step
     #   (plan.chunk_states; [nc, hb G, K, V / G] with plan.value_groups = G)
     # Scratch.
@@ -88,8 +89,11 @@ def _forward_kernel(r: ForwardRefs, *, plan: Plan, save: bool):
     def _():
         r.S[...] = r.h0[...]
 
-    if save:
-        r.state_out[...] = r.S[...].astype(r.state_out.dtype)
+    if r.state_out is not None:  # step 0's entry state is h0: the backward reads it itself
+
+        @pl.when(step > 0)
+        def _():
+            r.state_out[...] = r.S[...].astype(r.state_out.dtype)
 
     if not plan.flat_tokens:
         if not plan.runtime_merged_blocks:
@@ -218,7 +222,8 @@ def forward_call(
     segments), gate parameters ``(H, 2, K)`` (None without a fused gate), the chunk table and the
     per-sequence initial states (None without cu_seqlens, varlen.py) and h0 ``(B, H, K, V)``
     f32 ->
-    ``(o, h_final)``, plus ``(T, A_qk, states)`` residuals when ``save``, plus the chunk-entry
+    ``(o, h_final)``, plus the residuals when ``save`` (``T^T | A_qk``, and the states entering
+    steps 1 to ``n_steps - 1`` unless there is one step), plus the chunk-entry
     states ``(B, t_pad / C, H, K, V)`` f32 with ``plan.chunk_states``."""
     B, H, K, V, hb = plan.batch, plan.heads, plan.dk, plan.dv, plan.hb
     step_of = blocks.forward_step
@@ -242,7 +247,8 @@ def forward_call(
     stage = (hb, G * K, V // G) if plan.pooled else (hb, K, V)  # a state's DMA staging
     slot_dtype = seq_h0.dtype if plan.pooled else F32  # the pool's dtype, or f32 states
     packed = blocks.residual_spec(plan, plan.residual_block, step_of)  # T^T | A_qk
-    entry = blocks.residual_spec(plan, (hb, K, V), step_of)  # step entry states
+    entry = blocks.saved_state_spec(plan, step_of)  # step entry states but step 0's
+    saved_states = save and plan.saved_states > 0
     Gv = plan.value_groups  # chunk states in the caller's grouped layout (blocks.py)
     chunk_states_shape = (B, plan.t_pad // plan.C, H * Gv, K, V // Gv)
     kernel_refs = refs.Table(
@@ -274,7 +280,12 @@ def forward_call(
         refs.Output(
             "state_out",
             entry,
-            on(save, jax.ShapeDtypeStruct((*res, hb, K, V), plan.saved_state_dtype)),
+            on(
+                saved_states,
+                jax.ShapeDtypeStruct(
+                    (B, plan.head_groups, plan.saved_states, hb, K, V), plan.saved_state_dtype
+                ),
+            ),
         ),
         refs.Output(  # the chunk-entry states (B, n_steps nc, H, K, V)
             "chunks_out",

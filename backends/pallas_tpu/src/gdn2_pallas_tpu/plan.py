@@ -358,6 +358,12 @@ class Plan:
         return max(1, math.ceil(self.seq_len / self.step_len))
 
     @property
+    def saved_states(self) -> int:
+        """Step-entry states the training forward saves: every step's but step 0's (``h0``,
+        which the backward reads itself)."""
+        return self.n_steps - 1
+
+    @property
     def t_pad(self) -> int:
         return self.n_steps * self.step_len
 
@@ -433,7 +439,7 @@ def vmem_bytes(plan: Plan, backward: bool) -> dict[str, int]:
     blocks = 2 * hb * plan.step_len * in_bytes  # double-buffered input tiles
     blocks += hb * plan.step_len * out_bytes  # output staging (manual DMA)
     blocks += 2 * U * C * max(C, NUM_LANES // plan.lane_pack) * rs  # T|A_qk, lane-packed
-    blocks += 2 * 2 * hb * K * V * F32_BYTES  # states in/out
+    blocks += 2 * (3 if backward else 2) * hb * K * V * F32_BYTES  # states in/out (and h0)
     if plan.segments:  # the (nc C, 1) float32 start flags, lanes padded to 128, double-buffered
         blocks += 2 * plan.step_len * NUM_LANES * F32_BYTES
     if plan.gate:  # (hb, 2, K) float32 gate parameters (and their gradient), rows padded to 8

@@ -49,7 +49,7 @@ CPU_MESSAGE = (
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["q", "k", "v", "w", "b", "g", "starts", "TA", "states"],
+    data_fields=["q", "k", "v", "w", "b", "g", "starts", "TA", "states", "h0"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +64,9 @@ class Residuals:
     g: jax.Array  # ... K, or a scalar gate's
     starts: jax.Array | None  # [B, t_pad, 1] f32 sequence starts (packed sequences), or None
     TA: jax.Array  # [B, H / hb, n_steps, U, C, C] A_qk (lower) and T^T (strictly upper) per chunk
-    states: jax.Array  # [B, H / hb, n_steps, hb, K, V] f32 state entering every step
+    states: jax.Array | None  # [B, H / hb, n_steps - 1, hb, K, V] plan.saved_state_dtype: the
+    #   state entering every step but the first (None with one step)
+    h0: jax.Array  # [B, H, K, V] f32: the state entering the first step
 
 
 def _raise_not_tpu(*_):
@@ -248,10 +250,11 @@ def gdn2_pallas_trainable(q, k, v, w, b, g, h0, extras: Extras, plan: Plan):
 
 
 def _vjp_fwd(q, k, v, w, b, g, h0, extras: Extras, plan: Plan):
-    o, h_final, seq_h_final, (xs, starts, gate), (TA, states) = _forward(
+    o, h_final, seq_h_final, (xs, starts, gate), (TA, *states) = _forward(
         q, k, v, w, b, g, h0, extras, plan, save=True
     )
-    res = Residuals(*xs, starts=starts, TA=TA, states=states)
+    states = states[0] if states else None  # one step: none saved
+    res = Residuals(*xs, starts=starts, TA=TA, states=states, h0=h0.astype(jnp.float32))
     return (o, h_final, seq_h_final), (res, gate, extras)
 
 
@@ -274,6 +277,7 @@ def _vjp_bwd(plan: Plan, saved, cotangents):
         None if not plan.varlen else d_seq_h_final.astype(jnp.float32),
         res.TA,
         res.states,
+        res.h0,
         dh_final.astype(jnp.float32),
     )
     grads, dh0, outs = outs[:6], outs[6], list(outs[7:])
