@@ -5,8 +5,8 @@ Grid ``(B, H / hb, n_steps)``, the step axis last, "arbitrary", visited last ste
 gradient of the state leaving the step, dS ``[hb, K, V]`` float32, is carried in VMEM scratch.
 A step recomputes phase A of its ``U = hb nc`` units from the inputs and the saved ``T``, ``A_qk``
 (no score or inverse products), the entry states of its chunks from the saved step entry state
-(h0 at step 0; ``nc - 1`` updates), then runs the reverse state pass over its ``nc`` chunks and the
-chunk-parallel gradients of all units at once.
+(h0 at step 0; ``nc - 1`` updates), then runs the reverse state pass over its ``nc`` chunks and
+the chunk-parallel gradients of all units at once.
 
 dg has no exact self-pair terms (factor exp(0)): the diagonal of ``A_qk`` carries no gradient to Γ,
 and ``K̃`` enters dg through an exclusive forward cumsum. Adding such terms to dΓ only to cancel

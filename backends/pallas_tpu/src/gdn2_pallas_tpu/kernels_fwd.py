@@ -5,8 +5,7 @@ scratch from step to step), the others "parallel". A step takes ``nc`` chunks of
 plan.py): phase A for all ``U = hb nc`` units at once, then ``nc`` state updates per head. The
 training forward also writes the backward's residuals: ``T`` and ``A_qk`` of every chunk (packed into
 one matrix), and the state entering every step but the first (that one is h0); with
-``plan.chunk_states`` (prefix caching) the
-inference forward writes the state entering every chunk.
+``plan.chunk_states`` (prefix caching) the inference forward writes the state entering every chunk.
 """
 
 from __future__ import annotations
