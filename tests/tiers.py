@@ -16,12 +16,13 @@
 - the ragged op's repeats: the Pallas interpret-mode step (the quick tier compiles it for v5e and
   runs every path on jax_ref), a request split across two calls, the layer's jitted step.
 
-The long sweeps (marker ``slow``, `make test-slow`; CI runs only their compile matrix) take, besides the tests marked so
-in their files, those repeat checks on the two full targets (:func:`is_slow`): a second target
-is there for its own configuration (the default blocking; the race detector), which its other
-checks exercise, and the repeats took 511 s of CPU there (`pytest --durations=0`, CPU here, 2026-12-06: 386 s
-on the race-detection target, 125 s on jax_ref's second). Every kernel and
-feature path also runs under the race detector in tests/pallas_tpu/test_races.py (CI).
+The long sweeps (marker ``slow``, `make test-slow`; CI runs only their compile matrix) take,
+besides the tests marked so in their files, those repeat checks on the two full targets
+(:func:`is_slow`): a second target is there for its own configuration (the default blocking;
+the race detector), which its other checks exercise, and the repeats took 511 s of CPU there
+(`pytest --durations=0`, CPU here, 2026-12-06: 386 s on the race-detection target, 125 s on
+jax_ref's second). Every kernel and feature path also runs under the race detector in
+tests/pallas_tpu/test_races.py (CI).
 """
 
 from __future__ import annotations

@@ -54,8 +54,9 @@ class TestPallasTpuRaces(ConformanceSuite):
     (``PallasTpuConfig``'s interpret knobs): a race raises in the interpreter (``RACE
     DETECTED``) and fails the test. tests/pallas_tpu/test_races.py runs every kernel so with
     shapes that keep both cores busy; this target runs the suite so. In the full tier, but the
-    checks that repeat a feature on it, which go to the long sweeps (tests/tiers.py). The interpreter's state is reset
-    around every test, also after one that raised inside a kernel (its docs require it)."""
+    checks that repeat a feature on it, which go to the long sweeps (tests/tiers.py). The
+    interpreter's state is reset around every test, also after one that raised inside a kernel
+    (its docs require it)."""
 
     targets = (
         Target(
