@@ -6,10 +6,9 @@
 
 - a test function with several parametrizations keeps its first one that no other rule sends to
   the full tier;
-- the conformance suite: jax_ref's second target (the default blocking), pallas_tpu's
-  race-detection target (interpret mode on two simulated cores) and, for every other target,
-  the checks that repeat a feature the quick tier already runs (gradients of the forget-gate
-  cases, dg's own-size check, jit+vmap+grad, x64, features combined, no-leakage beyond jax_ref);
+- the conformance suite: for every target, the checks that repeat a feature the quick tier
+  already runs (gradients of the forget-gate cases, dg's own-size check, jit+vmap+grad, x64,
+  features combined, no-leakage beyond jax_ref);
 - the Pallas interpret-mode repeats of forget gates and x64 (jax_ref and scan_baseline keep them);
 - the slow end-to-end files: the examples (but the minimal usage), multi-device, the deviceless
   compiles (but one train step for v5e), packaging, the simulated-device and TPU-estimate benches;
@@ -17,12 +16,14 @@
   runs every path on jax_ref), a request split across two calls, the layer's jitted step.
 
 The long sweeps (marker ``slow``, `make test-slow`; CI runs only their compile matrix) take,
-besides the tests marked so in their files, those repeat checks on the two full targets
-(:func:`is_slow`): a second target is there for its own configuration (the default blocking;
-the race detector), which its other checks exercise, and the repeats took 511 s of CPU there
-(`pytest --durations=0`, CPU here, 2026-12-06: 386 s on the race-detection target, 125 s on
-jax_ref's second). Every kernel and feature path also runs under the race detector in
-tests/pallas_tpu/test_races.py (CI).
+besides the tests marked so in their files, the two second conformance targets whole
+(:func:`is_slow`): jax_ref at its default blocking (the layer, the examples and the tools run
+jax_ref at its defaults in CI) and pallas_tpu under the race detector on two simulated cores in
+a random order, whose every kernel and feature path tests/pallas_tpu/test_races.py runs in CI,
+checked against the token-serial reference. The two took 994 s of test time in `make test-full`
+(`pytest --durations=0`, CPU here beside a TPU estimate, 2026-12-06: 695 s and 299 s of its
+7,300 s), after their repeat checks had already gone to the long sweeps; CI had run out of its
+90 minutes once and finished a later run with 3.5 of them to spare.
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ FULL_FUNCTIONS = (
     "::test_float32_default_config",
     "tests/jax_ref/test_varlen.py::test_no_leakage_bit_for_bit",
 )
-#: Conformance targets of the full tier (the target name opens the parametrization id).
-FULL_TARGETS = ("jax_ref-default", "pallas_tpu-races")
+#: Conformance targets of the long sweeps (the target name opens the parametrization id).
+SLOW_TARGETS = ("jax_ref-default", "pallas_tpu-races")
 #: Checks the quick tier runs on one backend only.
 ONE_BACKEND = {"test_segments_no_leakage": "jax_ref", "test_varlen_no_leakage": "jax_ref"}
 #: Checks the quick tier runs on jax_ref and scan_baseline only (Pallas: the full tier).
@@ -81,22 +82,11 @@ def _target(params: str) -> str:
     return params.split("-B")[0].split("-N")[0].rstrip("]")
 
 
-def _repeats_a_feature(name: str, params: str) -> bool:
-    """A conformance check that repeats a feature the quick tier already runs on its target."""
-    return (
-        f"::{name}" in FULL_FUNCTIONS
-        or name in ONE_BACKEND
-        or (name in PALLAS_ONLY and "pallas" in params)
-    )
-
-
 def is_slow(nodeid: str) -> bool:
-    """Whether the test ``nodeid`` goes to the long sweeps (module docstring): a check of a full
-    target (FULL_TARGETS) that repeats a feature."""
-    path, name, params = _parts(nodeid)
-    if not path.endswith("test_conformance.py") or _target(params) not in FULL_TARGETS:
-        return False
-    return _repeats_a_feature(name, params)
+    """Whether the test ``nodeid`` goes to the long sweeps (module docstring): a check of a
+    conformance target in SLOW_TARGETS."""
+    path, _, params = _parts(nodeid)
+    return path.endswith("test_conformance.py") and _target(params) in SLOW_TARGETS
 
 
 def is_full(nodeid: str, first_of_function: bool) -> bool:
@@ -116,10 +106,7 @@ def is_full(nodeid: str, first_of_function: bool) -> bool:
         return True
     if path.endswith("test_conformance.py") and name in PALLAS_ONLY and "pallas" in params:
         return True
-    target = _target(params)
-    if path.endswith("test_conformance.py"):
-        if target in FULL_TARGETS:
-            return True
-        if name in ONE_BACKEND and not target.startswith(ONE_BACKEND[name]):
-            return True
+    one_backend = ONE_BACKEND.get(name) if path.endswith("test_conformance.py") else None
+    if one_backend and not _target(params).startswith(one_backend):
+        return True
     return not first_of_function

@@ -53,9 +53,8 @@ class TestPallasTpuRaces(ConformanceSuite):
     the "parallel" grid axes (batch, head group; decode head blocks) in a random order
     (``PallasTpuConfig``'s interpret knobs): a race raises in the interpreter (``RACE
     DETECTED``) and fails the test. tests/pallas_tpu/test_races.py runs every kernel so with
-    shapes that keep both cores busy; this target runs the suite so. In the full tier, but the
-    checks that repeat a feature on it, which go to the long sweeps (tests/tiers.py). The
-    interpreter's state is reset around every test, also after one that raised inside a kernel
+    shapes that keep both cores busy, each checked against the reference, in CI; this target runs
+    the suite so, in the long sweeps (`make test-slow`, tests/tiers.py). The interpreter's state is reset around every test, also after one that raised inside a kernel
     (its docs require it)."""
 
     targets = (

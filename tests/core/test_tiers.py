@@ -41,15 +41,15 @@ def test_the_rules():
     conformance = "tests/conformance/test_conformance.py::TestJaxRef::"
     assert not is_full(f"{conformance}test_forward[jax_ref-B1T5]", True)
     assert is_full(f"{conformance}test_forward[jax_ref-B2T9]", False)  # a second case
-    assert is_full(f"{conformance}test_forward[jax_ref-default-B1T5]", True)  # a second target
     assert is_full(f"{conformance}test_jit_vmap_grad[jax_ref]", True)
     assert is_full("tests/multidevice/test_multidevice.py::test_eight_simulated_devices", True)
     assert not is_full("tests/core/test_spec.py::test_shapes", True)
-    # a full target's repeat checks: the long sweeps; its own checks and other targets' stay
+    # the second targets, whole: the long sweeps; the other targets and files stay
+    assert is_slow(f"{conformance}test_forward[jax_ref-default-B1T5]")
     assert is_slow(f"{conformance}test_jit_vmap_grad[jax_ref-default]")
     races = "tests/conformance/test_conformance.py::TestPallasTpuRaces::"
     assert is_slow(f"{races}test_varlen_no_leakage[pallas_tpu-races]")
-    assert is_slow(f"{races}test_forget_gates[pallas_tpu-races-B1T5]")
-    assert not is_slow(f"{races}test_gradients[pallas_tpu-races-B1T33H1k64v128-h0-b1-strong-s2]")
+    assert is_slow(f"{races}test_gradients[pallas_tpu-races-B1T33H1k64v128-h0-b1-strong-s2]")
+    assert not is_slow(f"{conformance}test_forward[jax_ref-B1T5]")
     assert not is_slow(f"{conformance}test_jit_vmap_grad[jax_ref]")
     assert not is_slow("tests/pallas_tpu/test_races.py::test_kernel_is_race_free[train_B2_H1]")
