@@ -454,13 +454,17 @@ def scores(
     one stacked product per level (one in all for a :class:`PairDecay`)."""
     U, C, _ = k.shape
     eye = iota((C, C), 0) == iota((C, C), 1)
-    diag = jnp.sum(q * k, axis=2, keepdims=True)  # [U, C, 1] the self pairs, factor 1
     if isinstance(levels, PairDecay):
+        diag = jnp.sum(q * k, axis=2, keepdims=True)  # [U, C, 1] the self pairs, factor 1
         pairs = mm_nt(jnp.concatenate([E, q], axis=1), k, precision)  # [U, 2C, C]
         A_qk = pairs[:, C:] * levels.D  # [U, C, C]
         return pairs[:, :C] * levels.D, jnp.where(eye, diag, A_qk)
     A_kk = jnp.zeros((U, C, C), F32)
     A_qk = jnp.zeros((U, C, C), F32)
+    # Merged levels (the first level, rows' factors on every row): their product also holds the
+    # self pairs (r, r), factor exp(Γ_r - Γ_p) exp(Γ_p - Γ_r) = 1, so A_qk's diagonal comes from
+    # it rather than from a lane reduction of q ⊙ k.
+    diag_in_product = levels[0].lower is None
     for lv in levels:
         h = lv.tile_rows
         if h:  # only the lower-half rows take part: push those alone
@@ -480,7 +484,11 @@ def scores(
         pairs = mm_nt(X, k * lv.col_factor, precision)  # [U, 2C, C]
         here = lv.pairs(C)  # [C, C]
         A_kk = jnp.where(here, pairs[:, :C], A_kk)
-        A_qk = jnp.where(here, pairs[:, C:], A_qk)
+        here_qk = here | eye if lv.lower is None else here  # [C, C]
+        A_qk = jnp.where(here_qk, pairs[:, C:], A_qk)
+    if diag_in_product:
+        return A_kk, A_qk
+    diag = jnp.sum(q * k, axis=2, keepdims=True)  # [U, C, 1] the self pairs, factor 1
     return A_kk, jnp.where(eye, diag, A_qk)
 
 

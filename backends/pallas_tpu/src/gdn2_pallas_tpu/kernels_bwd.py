@@ -53,7 +53,7 @@ class BackwardRefs:
     table: object | None  # SMEM [3, n_chunks] int32 chunk table (plan.varlen, varlen.py)
     seq_h0: object | None  # [N, H, K, V] f32 in HBM: per-sequence initial states (plan.varlen)
     seq_dh_final: object | None  # [N, H, K, V] f32 in HBM (plan.varlen)
-    TA: object  # [U / pack, C, pack C] saved A_qk (lower, diagonal), T^T (upper), lane-packed
+    TA: object  # [U / pack, C, pack C] saved T (strictly lower), A_qk^T (upper, diagonal), lane-packed
     state_in: object | None  # [hb, K, V] saved state entering the step (plan.saved_state_dtype;
     #   step 0 reads h0 instead; None with one step)
     h0: object  # [hb, K, V] f32: the state entering step 0
@@ -123,11 +123,11 @@ def _step(r: BackwardRefs, plan: Plan, merged: int):
     L = cm.chunk_local(q, k, v, w, b, g, seg, merged, plan.scalar_decay, gamma_on_mxu=on_mxu)
     TA = blocks.unpack_lanes(r.TA[...].astype(F32), plan)  # [U, C, C]
     rr, ss = cm.iota((C, C), 0), cm.iota((C, C), 1)
-    A_qk = jnp.where(ss <= rr, TA, cm.ZERO)  # [U, C, C]
-    T_t = jnp.where(
-        ss > rr, TA, jnp.where(ss == rr, np.float32(1.0 / (1.0 + plan.wy_eps)), cm.ZERO)
-    )  # T^T
-    YU = mm_tn(T_t, jnp.concatenate([L.E_bar, L.Z], axis=2), p.wy)  # [U, C, K + V] F6: T [Ē | Z]
+    A_qk_t = jnp.where(ss >= rr, TA, cm.ZERO)  # [U, C, C] A_qk^T
+    T = jnp.where(
+        ss < rr, TA, jnp.where(ss == rr, np.float32(1.0 / (1.0 + plan.wy_eps)), cm.ZERO)
+    )  # [U, C, C]
+    YU = mm(T, jnp.concatenate([L.E_bar, L.Z], axis=2), p.wy)  # [U, C, K + V] F6: T [Ē | Z]
     Y, U = YU[:, :, :K], YU[:, :, K:]
 
     seqs = None
@@ -164,7 +164,7 @@ def _step(r: BackwardRefs, plan: Plan, merged: int):
         if seqs is not None:  # a sequence's last chunk: the gradient of its h_final
             dS = replaced(dS, j, r.seq_dh_final, seqs.is_last(j))
         dO_j = chunk(dO, j)  # [hb, C, V]
-        dR = scale * mm_tn(chunk(A_qk, j), dO_j, p.state) + mm(
+        dR = scale * mm(chunk(A_qk_t, j), dO_j, p.state) + mm(
             chunk(L.K_tilde, j), dS, p.state
         )  # [hb, C, V]
         dS_out[j], dR_all[j] = dS, dR
@@ -198,7 +198,7 @@ def _step(r: BackwardRefs, plan: Plan, merged: int):
     dY = -mm_nt(dR, S, p.grads)  # [U, C, K]
     dK_tilde = mm_nt(R, dS, p.grads)  # [U, C, K] B3
     d_decay_C = blocks.row_sums(S * dS)  # [U, 1, K] row sums of S ⊙ dS
-    dEZ = mm(T_t, jnp.concatenate([dY, dR], axis=2), p.grads)  # [U, C, K + V] B4: T^T [dY | dU]
+    dEZ = mm_tn(T, jnp.concatenate([dY, dR], axis=2), p.grads)  # [U, C, K + V] B4: T^T [dY | dU]
     dE_bar, dZ = dEZ[:, :, :K], dEZ[:, :, K:]
     P_kk = -jnp.where(ss < rr, mm_nt(dEZ, YU, p.grads), cm.ZERO)  # [U, C, C] B5
     sg = cm.score_backward(P_qk, P_kk, q, k, L.E, L.levels, p.score_grads)  # B7
@@ -288,7 +288,7 @@ def backward_call(
         if not sc and t.staged
     ]
     res = (B, plan.head_groups, plan.n_steps)  # residuals: one block per grid step
-    packed = blocks.residual_spec(plan, plan.residual_block, step_of)  # T^T | A_qk
+    packed = blocks.residual_spec(plan, plan.residual_block, step_of)  # T | A_qk^T
     entry = blocks.saved_state_spec(plan, step_of)  # step entry states but step 0's
     kernel_refs = refs.Table(
         refs.Input("q", qk, q),

@@ -53,7 +53,7 @@ class ForwardRefs:
     h_final: object  # [hb, K, V] f32
     seq_h_final: object | None  # [N, H, K, V] f32 in HBM: per-sequence final states (plan.varlen),
     #   or the pool (plan.pooled, aliased to seq_h0)
-    TA_out: object | None  # [U / pack, C, pack C] residual: A_qk (lower), T^T (upper), lane-packed
+    TA_out: object | None  # [U / pack, C, pack C] residual: T (lower), A_qk^T (upper), lane-packed
     state_out: object | None  # [hb, K, V] plan.saved_state_dtype: the state entering this step
     #   (steps >= 1; plan.saved_states)
     chunks_out: object | None  # [nc, hb, K, V] f32: the state entering each chunk of the step
@@ -74,12 +74,13 @@ class ForwardRefs:
 
 
 def pack_residual(T: jax.Array, A_qk: jax.Array) -> jax.Array:
-    """One [U, C, C] matrix for both: ``A_qk`` (lower, diagonal included) and the strictly upper
-    ``T^T`` (T's diagonal is the constant ``1 / (1 + wy_eps)``). The backward multiplies by ``T``
-    and ``T^T``, both of which read ``T^T`` directly (``mm_tn`` / ``mm``)."""
+    """One [U, C, C] matrix for both: ``A_qk^T`` (upper, diagonal included) and the strictly lower
+    ``T`` (T's diagonal is the constant ``1 / (1 + wy_eps)``). The backward multiplies by ``T``,
+    ``T^T`` and ``A_qk^T``: two of the three read the packed matrix as it is (``mm``), one
+    transposes it (``mm_tn``); packed as ``A_qk`` and ``T^T``, two of them transposed it."""
     C = T.shape[-1]
-    upper = cm.iota((C, C), 1) > cm.iota((C, C), 0)
-    return jnp.where(upper, jnp.swapaxes(T, 1, 2), A_qk)
+    lower = cm.iota((C, C), 0) > cm.iota((C, C), 1)
+    return jnp.where(lower, T, jnp.swapaxes(A_qk, 1, 2))
 
 
 def _forward_kernel(r: ForwardRefs, *, plan: Plan, save: bool):
@@ -222,7 +223,7 @@ def forward_call(
     segments), gate parameters ``(H, 2, K)`` (None without a fused gate), the chunk table and the
     per-sequence initial states (None without cu_seqlens, varlen.py) and h0 ``(B, H, K, V)``
     f32 ->
-    ``(o, h_final)``, plus the residuals when ``save`` (``T^T | A_qk``, and the states entering
+    ``(o, h_final)``, plus the residuals when ``save`` (``T | A_qk^T``, and the states entering
     steps 1 to ``n_steps - 1`` unless there is one step), plus the chunk-entry
     states ``(B, t_pad / C, H, K, V)`` f32 with ``plan.chunk_states``."""
     B, H, K, V, hb = plan.batch, plan.heads, plan.dk, plan.dv, plan.hb
@@ -246,7 +247,7 @@ def forward_call(
     res = (B, plan.head_groups, plan.n_steps)  # residuals: one block per grid step
     stage = (hb, G * K, V // G) if plan.pooled else (hb, K, V)  # a state's DMA staging
     slot_dtype = seq_h0.dtype if plan.pooled else F32  # the pool's dtype, or f32 states
-    packed = blocks.residual_spec(plan, plan.residual_block, step_of)  # T^T | A_qk
+    packed = blocks.residual_spec(plan, plan.residual_block, step_of)  # T | A_qk^T
     entry = blocks.saved_state_spec(plan, step_of)  # step entry states but step 0's
     saved_states = save and plan.saved_states > 0
     Gv = plan.value_groups  # chunk states in the caller's grouped layout (blocks.py)

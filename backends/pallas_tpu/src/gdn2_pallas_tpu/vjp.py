@@ -63,7 +63,7 @@ class Residuals:
     b: jax.Array  # ... K, or a scalar gate's
     g: jax.Array  # ... K, or a scalar gate's
     starts: jax.Array | None  # [B, t_pad, 1] f32 sequence starts (packed sequences), or None
-    TA: jax.Array  # [B, H / hb, n_steps, U, C, C] A_qk (lower) and T^T (strictly upper) per chunk
+    TA: jax.Array  # [B, H / hb, n_steps, U, C, C] T (strictly lower) and A_qk^T (upper) per chunk
     states: jax.Array | None  # [B, H / hb, n_steps - 1, hb, K, V] plan.saved_state_dtype: the
     #   state entering every step but the first (None with one step)
     h0: jax.Array  # [B, H, K, V] f32: the state entering the first step
