@@ -15,7 +15,7 @@
 - the ragged op's repeats: the Pallas interpret-mode step (the quick tier compiles it for v5e and
   runs every path on jax_ref), a request split across two calls, the layer's jitted step.
 
-The long sweeps (marker ``slow``, `make test-slow`; CI runs only their compile matrix) take,
+The long sweeps (marker ``slow``, `make test-slow`; CI runs only part of their compile matrix) take,
 besides the tests marked so in their files, the two second conformance targets whole
 (:func:`is_slow`): jax_ref at its default blocking (the layer, the examples and the tools run
 jax_ref at its defaults in CI) and pallas_tpu under the race detector on two simulated cores in

@@ -53,7 +53,8 @@ class BackwardRefs:
     table: object | None  # SMEM [3, n_chunks] int32 chunk table (plan.varlen, varlen.py)
     seq_h0: object | None  # [N, H, K, V] f32 in HBM: per-sequence initial states (plan.varlen)
     seq_dh_final: object | None  # [N, H, K, V] f32 in HBM (plan.varlen)
-    TA: object  # [U / pack, C, pack C] saved T (strictly lower), A_qk^T (upper, diagonal), lane-packed
+    TA: object  # [U / pack, C, pack C] saved T (strictly lower), A_qk^T (upper, diagonal),
+    #   lane-packed
     state_in: object | None  # [hb, K, V] saved state entering the step (plan.saved_state_dtype;
     #   step 0 reads h0 instead; None with one step)
     h0: object  # [hb, K, V] f32: the state entering step 0
