@@ -55,8 +55,9 @@ test-full: $(STAMP)
 # A second environment with every declared dependency at its floor (.ci/floors.py), installed
 # from the package folders as a user would (not editable), then the quick tier of the core, the
 # kit, jax_ref, scan_baseline and the layer on two workers (pytest-xdist at the dev pin). The full
-# tier stays on the dev versions: interpret mode on two simulated cores (tests/pallas_tpu/test_races.py)
-# crashed once inside XLA's compiler on JAX 0.11.2 (README, Limitations).
+# tier stays on the dev versions: interpret mode on two simulated cores
+# (tests/pallas_tpu/test_races.py) crashed once inside XLA's compiler on JAX 0.11.2 (README,
+# Limitations).
 test-floors:
 	@test -n "$(PYTHON_FOR_VENV)" || { echo "need Python >= 3.12 on PATH" >&2; exit 1; }
 	rm -rf $(FLOORS_VENV)

@@ -54,8 +54,9 @@ class TestPallasTpuRaces(ConformanceSuite):
     (``PallasTpuConfig``'s interpret knobs): a race raises in the interpreter (``RACE
     DETECTED``) and fails the test. tests/pallas_tpu/test_races.py runs every kernel so with
     shapes that keep both cores busy, each checked against the reference, in CI; this target runs
-    the suite so, in the long sweeps (`make test-slow`, tests/tiers.py). The interpreter's state is reset around every test, also after one that raised inside a kernel
-    (its docs require it)."""
+    the suite so, in the long sweeps (`make test-slow`, tests/tiers.py). The interpreter's state
+    is reset around every test, also after one that raised inside a kernel (its docs require
+    it)."""
 
     targets = (
         Target(

@@ -454,11 +454,13 @@ def scores(
     one stacked product per level (one in all for a :class:`PairDecay`)."""
     U, C, _ = k.shape
     eye = iota((C, C), 0) == iota((C, C), 1)
+
+    def with_self_pairs(A_qk):  # [U, C, C] with its diagonal q_r . k_r (factor 1)
+        return jnp.where(eye, jnp.sum(q * k, axis=2, keepdims=True), A_qk)
+
     if isinstance(levels, PairDecay):
-        diag = jnp.sum(q * k, axis=2, keepdims=True)  # [U, C, 1] the self pairs, factor 1
         pairs = mm_nt(jnp.concatenate([E, q], axis=1), k, precision)  # [U, 2C, C]
-        A_qk = pairs[:, C:] * levels.D  # [U, C, C]
-        return pairs[:, :C] * levels.D, jnp.where(eye, diag, A_qk)
+        return pairs[:, :C] * levels.D, with_self_pairs(pairs[:, C:] * levels.D)
     A_kk = jnp.zeros((U, C, C), F32)
     A_qk = jnp.zeros((U, C, C), F32)
     # Merged levels (the first level, rows' factors on every row): their product also holds the
@@ -486,10 +488,7 @@ def scores(
         A_kk = jnp.where(here, pairs[:, :C], A_kk)
         here_qk = here | eye if lv.lower is None else here  # [C, C]
         A_qk = jnp.where(here_qk, pairs[:, C:], A_qk)
-    if diag_in_product:
-        return A_kk, A_qk
-    diag = jnp.sum(q * k, axis=2, keepdims=True)  # [U, C, 1] the self pairs, factor 1
-    return A_kk, jnp.where(eye, diag, A_qk)
+    return A_kk, A_qk if diag_in_product else with_self_pairs(A_qk)
 
 
 def wy_inverse(A_kk: jax.Array, wy_eps: float, precision: MatmulPrecision) -> jax.Array:
