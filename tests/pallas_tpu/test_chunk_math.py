@@ -67,6 +67,34 @@ def test_products_per_unit_equal_the_batched_ones(precision):
         assert np.max(np.abs(np.asarray(per_unit) - expected)) < 0.1, name
 
 
+@pytest.mark.parametrize(
+    "depth", [matmul.HALF_PASS, 2 * matmul.HALF_PASS], ids=["2-pass", "3-pass"]
+)
+@pytest.mark.parametrize("precision", [MatmulPrecision.BF16X3, MatmulPrecision.BF16X3_SPLIT])
+def test_bf16x3_products_against_float64(precision, depth):
+    """float32 products in bf16x3, per unit and batched, every orientation, against NumPy in
+    float64: two passes at a contraction of at most HALF_PASS (``[a_hi | a_lo] @ [b_hi ; b_hi]``
+    and ``a_hi @ b_lo``), three above it (Mosaic's own on a TPU; written out in interpret mode,
+    or here float32 on the CPU). ``hi*hi + hi*lo + lo*hi`` leaves the dropped ``lo*lo`` (2^-18
+    of each term) and float32 rounding: about 5e-6 of the largest entry at these sizes (measured);
+    the bound 5e-5 is 10x that and 40x below what a dropped ``hi*lo`` or ``lo*hi`` leaves (each
+    2^-9 of a term: about 2e-3)."""
+    rng = np.random.default_rng(depth)
+    a = jnp.asarray(rng.standard_normal((3, 64, depth)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((3, depth, 128)), jnp.float32)
+    bt, at = jnp.swapaxes(b, 1, 2), jnp.swapaxes(a, 1, 2)
+    expected = np.einsum("umk,ukn->umn", np.asarray(a, np.float64), np.asarray(b, np.float64))
+    for name, fn, args in (
+        ("mm", mm, (a, b)),
+        ("mm_nt", mm_nt, (a, bt)),
+        ("mm_tn", mm_tn, (at, b)),
+    ):
+        for batched in (False, True):
+            got = traced_for(lambda f=fn, x=args: f(*x, precision), batched)()
+            err = np.max(np.abs(np.asarray(got, np.float64) - expected)) / np.max(np.abs(expected))
+            assert err < 5e-5, (name, batched, err)
+
+
 def test_batching_is_set_only_while_a_kernel_is_traced():
     assert not matmul._BATCHED.get()
     assert traced_for(matmul._BATCHED.get, True)() is True

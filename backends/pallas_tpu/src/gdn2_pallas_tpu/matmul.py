@@ -11,6 +11,11 @@ that TPU interpret mode on a CPU computes what the TPU computes:
   own ``Precision.HIGH`` (``bf16x3``, 13% faster than the same passes written out: static cycle
   estimate of the float32 forward); in TPU interpret mode the passes are written out
   (``BF16X3_SPLIT``), so that a CPU computes the TPU's rounding rather than exact float32.
+  A product whose contraction is at most :data:`HALF_PASS` deep (the chunk's ``C = 64``: ``T``,
+  ``A_qk``, the state updates ``K̃^T R``) would fill half of each of Mosaic's three 128-deep MXU
+  passes; on a TPU and in interpret mode alike it runs as two full ones instead,
+  ``[a_hi | a_lo] @ [b_hi ; b_hi]`` (``hi*hi + lo*hi``, at twice the depth) and ``a_hi @ b_lo``:
+  the same three terms (:func:`_bf16x3_packed`).
 - ``F32``: ``Precision.HIGHEST`` (the full float32 product, about six passes); for the few tiny
   products whose exactness matters more than their cost.
 
@@ -29,6 +34,11 @@ from jax import lax
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
+
+#: The deepest contraction that ``BF16X3`` packs into two passes (:func:`_bf16x3_packed`): half of
+#: the MXU's 128-deep pass on v5e. Static estimate of the float32 train step's kernels (B=1
+#: T=1024 H=6, v5e): 250,802 -> 222,449 cycles (docs/algorithm.md section 10).
+HALF_PASS = 64
 
 #: Whether a batch of units' products is one batched ``dot_general`` (TPU interpret mode, which
 #: dispatches every product on its own: ``U`` of them took three times as long in the tests) or
@@ -100,6 +110,10 @@ def _dot(a: jax.Array, b: jax.Array, contract, precision: MatmulPrecision) -> ja
 
 
 def _dot_any(a: jax.Array, b: jax.Array, dims, precision: MatmulPrecision) -> jax.Array:
+    (ca,), _ = dims[0]
+    three_terms = precision in (MatmulPrecision.BF16X3, MatmulPrecision.BF16X3_SPLIT)
+    if three_terms and a.shape[ca] <= HALF_PASS:  # half a pass deep: two full passes
+        return _bf16x3_packed(a, b, dims)
     if precision is MatmulPrecision.F32:
         return lax.dot_general(
             a.astype(F32),
@@ -125,6 +139,22 @@ def _dot_any(a: jax.Array, b: jax.Array, dims, precision: MatmulPrecision) -> ja
         return lax.dot_general(x, y, dims, preferred_element_type=F32)
 
     return one_pass(a_hi, b_hi) + (one_pass(a_hi, b_lo) + one_pass(a_lo, b_hi))
+
+
+def _bf16x3_packed(a: jax.Array, b: jax.Array, dims) -> jax.Array:
+    """``hi*hi + hi*lo + lo*hi`` of ``a``, ``b`` (``dims``: ``lax.dot_general``'s) in two MXU
+    passes: ``[a_hi | a_lo]`` against ``[b_hi ; b_hi]``, concatenated along the contraction (a
+    ``HALF_PASS``-deep product fills one pass with both terms), and ``a_hi`` against ``b_lo``."""
+    (ca,), (cb,) = dims[0]
+    a_hi, a_lo = split_bf16(a)
+    b_hi, b_lo = split_bf16(b)
+    both = lax.dot_general(
+        jnp.concatenate([a_hi, a_lo], axis=ca),
+        jnp.concatenate([b_hi, b_hi], axis=cb),
+        dims,
+        preferred_element_type=F32,
+    )  # hi*hi + lo*hi
+    return both + lax.dot_general(a_hi, b_lo, dims, preferred_element_type=F32)
 
 
 def mm(a: jax.Array, b: jax.Array, precision: MatmulPrecision) -> jax.Array:
