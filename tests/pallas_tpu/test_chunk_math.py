@@ -68,17 +68,20 @@ def test_products_per_unit_equal_the_batched_ones(precision):
 
 
 @pytest.mark.parametrize(
-    "depth", [matmul.HALF_PASS, 2 * matmul.HALF_PASS], ids=["2-pass", "3-pass"]
+    ("mxu_depth", "depth"),
+    [(128, 64), (128, 128), (256, 128)],
+    ids=["v5e-2-pass", "v5e-3-pass", "v6e-2-pass"],
 )
 @pytest.mark.parametrize("precision", [MatmulPrecision.BF16X3, MatmulPrecision.BF16X3_SPLIT])
-def test_bf16x3_products_against_float64(precision, depth):
+def test_bf16x3_products_against_float64(precision, mxu_depth, depth):
     """float32 products in bf16x3, per unit and batched, every orientation, against NumPy in
-    float64: two passes at a contraction of at most HALF_PASS (``[a_hi | a_lo] @ [b_hi ; b_hi]``
-    and ``a_hi @ b_lo``), three above it (Mosaic's own on a TPU; written out in interpret mode,
-    or here float32 on the CPU). ``hi*hi + hi*lo + lo*hi`` leaves the dropped ``lo*lo`` (2^-18
-    of each term) and float32 rounding: about 5e-6 of the largest entry at these sizes (measured);
-    the bound 5e-5 is 10x that and 40x below what a dropped ``hi*lo`` or ``lo*hi`` leaves (each
-    2^-9 of a term: about 2e-3)."""
+    float64, for an MXU ``mxu_depth`` deep (v5e 128, v6e 256): two passes at a contraction of
+    at most half of it (``[a_hi | a_lo] @ [b_hi ; b_hi]`` and ``a_hi @ b_lo``), three above
+    (Mosaic's own on a TPU; written out in interpret mode, or here float32 on the CPU).
+    ``hi*hi + hi*lo + lo*hi`` leaves the dropped ``lo*lo`` (2^-18 of each term) and float32
+    rounding: about 5e-6 of the largest entry at these sizes (measured); the bound 5e-5 is 10x
+    that and 40x below what a dropped ``hi*lo`` or ``lo*hi`` leaves (each 2^-9 of a term: about
+    2e-3)."""
     rng = np.random.default_rng(depth)
     a = jnp.asarray(rng.standard_normal((3, 64, depth)), jnp.float32)
     b = jnp.asarray(rng.standard_normal((3, depth, 128)), jnp.float32)
@@ -90,9 +93,26 @@ def test_bf16x3_products_against_float64(precision, depth):
         ("mm_tn", mm_tn, (at, b)),
     ):
         for batched in (False, True):
-            got = traced_for(lambda f=fn, x=args: f(*x, precision), batched)()
+            got = traced_for(lambda f=fn, x=args: f(*x, precision), batched, mxu_depth)()
             err = np.max(np.abs(np.asarray(got, np.float64) - expected)) / np.max(np.abs(expected))
             assert err < 5e-5, (name, batched, err)
+
+
+def test_float32_products_pack_to_half_the_plans_mxu_depth():
+    """The kernels trace their products for the plan's MXU (``traced_for(..., plan.mxu_depth)``):
+    a 128-deep float32 product is two passes on v6e's 256-deep MXU and three on v5e's, visible
+    as the number of products in its program; outside a kernel, v5e's depth."""
+    import jax
+
+    a = jnp.ones((1, 64, 128), jnp.float32)
+    b = jnp.ones((1, 128, 128), jnp.float32)
+
+    def products(mxu_depth):
+        body = traced_for(lambda: mm(a, b, MatmulPrecision.BF16X3_SPLIT), False, mxu_depth)
+        return str(jax.make_jaxpr(body)()).count("dot_general")
+
+    assert (products(128), products(256)) == (3, 2)
+    assert matmul._HALF_PASS.get() == matmul.DEFAULT_MXU_DEPTH // 2  # reset after tracing
 
 
 def test_batching_is_set_only_while_a_kernel_is_traced():

@@ -84,6 +84,25 @@ def test_plans_give_both_tensor_cores_of_a_device_work(monkeypatch, topology, hb
     assert [(p.hb, p.grid()[:2]) for p in plans] == [(hb, (1, 6 // hb))] * 2
 
 
+@pytest.mark.parametrize(("topology", "depth"), [("v5e:1x1", 128), ("v6e:1x1", 256)])
+def test_plans_take_the_mxu_depth_of_the_target(topology, depth):
+    """A plan's ``mxu_depth`` is the target chip's (``TpuInfo.mxu_column_size``, read like the
+    VMEM and the TensorCores): float32 products at most half as deep take two MXU passes
+    (matmul.py), 64-deep ones on v5e, 128-deep ones too on v6e."""
+    import jax
+    from jax.experimental import topologies
+
+    from gdn2_pallas_tpu.plan import make_plan
+    from gdn2core.ops.forward.spec import OpSpec
+
+    devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+    with jax.sharding.use_abstract_mesh(jax.sharding.Mesh(devices, ("x",)).abstract_mesh):
+        plan = make_plan(OpSpec(1, 1024, 6, 128, 128, "float32", 1.0), DEFAULT_CONFIG)
+    assert plan.mxu_depth == depth
+    off_tpu = make_plan(OpSpec(1, 1024, 6, 128, 128, "float32", 1.0), DEFAULT_CONFIG)
+    assert off_tpu.mxu_depth == 128  # matmul.DEFAULT_MXU_DEPTH: the chip unknown
+
+
 @pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])
 def test_eight_heads_token_major_compile_in_place(dtype):
     """H = 8: the kernels read the public (B, T, H, d) arrays in (nc C, 8, d) blocks, 8 heads x 4

@@ -46,6 +46,7 @@ from gdn2_pallas_tpu.plan import (
     SUPPORTED_HEAD_SIZES,
     check_plan,
     make_plan,
+    mxu_contraction_depth,
     pooled_plan,
     tensor_cores,
     varlen_plan,
@@ -134,7 +135,8 @@ class PallasTpuBackend(Backend):
         act = spec.activations if spec.activations.any else None
         groups, spec = spec.key_groups, grouped_keys.plain_spec(spec)
         plan = make_plan(spec, config, vmem_capacity_bytes(q), activations=act, chunk_states=True,
-                         scalar_gates=spec.scalar_gates, cores=tensor_cores(q))  # fmt: skip
+                         scalar_gates=spec.scalar_gates, cores=tensor_cores(q),
+                         mxu_depth=mxu_contraction_depth(q))  # fmt: skip
         plan, q, k = grouped_keys.read_grouped(plan, q, k, groups)
         plan = grouped_values.read_grouped(plan, spec.value_groups)
         ex = vjp.Extras(A_log=extras.A_log, dt_bias=extras.dt_bias)
@@ -150,12 +152,12 @@ class PallasTpuBackend(Backend):
 
         extras = OpExtras() if extras is None else extras
         act = spec.activations if spec.activations.any else None
-        capacity, cores = vmem_capacity_bytes(q), tensor_cores(q)
+        capacity, cores, depth = vmem_capacity_bytes(q), tensor_cores(q), mxu_contraction_depth(q)
         groups, spec = spec.key_groups, grouped_keys.plain_spec(spec)
         if groups > 1 and spec.segments == SegmentMode.CU_SEQLENS:  # the core never does this
             raise ValueError(f"key_groups={groups}: expected 1 with cu_seqlens")
         if spec.segments == SegmentMode.CU_SEQLENS:  # the chunk-aligned row (varlen.py)
-            plan = varlen_plan(spec, config, capacity, act, cores)
+            plan = varlen_plan(spec, config, capacity, act, cores, depth)
             if trainable and extras.continues is not None:
                 raise ValueError(
                     "extras.continues: continued sequences are forward only (the ragged op), "
@@ -168,7 +170,8 @@ class PallasTpuBackend(Backend):
         else:
             segments = spec.segments == SegmentMode.IDS
             plan = make_plan(spec, config, capacity, segments=segments, activations=act,
-                             scalar_gates=spec.scalar_gates, training=trainable, cores=cores)  # fmt: skip
+                             scalar_gates=spec.scalar_gates, training=trainable, cores=cores,
+                             mxu_depth=depth)  # fmt: skip
             plan, q, k = grouped_keys.read_grouped(plan, q, k, groups)
             plan = grouped_values.read_grouped(plan, spec.value_groups)
             ex = vjp.Extras(
@@ -215,7 +218,7 @@ class PallasTpuBackend(Backend):
         key_groups, spec = spec.key_groups, grouped_keys.plain_spec(spec)
         groups = pool.shape[1] // spec.heads
         plan = pooled_plan(spec, config, vmem_capacity_bytes(q), act, requests.stores, groups,
-                           tensor_cores(q))  # fmt: skip
+                           tensor_cores(q), mxu_contraction_depth(q))  # fmt: skip
         plan, q, k = grouped_keys.read_grouped(plan, q, k, key_groups)  # flat tokens: grouped
         o, pool = vjp.gdn2_pallas_pooled(
             q, k, v, w, b, g, pool, extras.cu_seqlens, requests, plan, extras.A_log,

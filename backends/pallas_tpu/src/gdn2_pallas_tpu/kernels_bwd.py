@@ -337,7 +337,11 @@ def backward_call(
     )
     return pl.pallas_call(
         kernel_refs.kernel(
-            traced_for(functools.partial(_backward_kernel, plan=plan), plan.interpret is not None),
+            traced_for(
+                functools.partial(_backward_kernel, plan=plan),
+                plan.interpret is not None,
+                plan.mxu_depth,
+            ),
             BackwardRefs,
         ),
         out_shape=kernel_refs.out_shape,

@@ -307,7 +307,9 @@ def forward_call(
     return pl.pallas_call(
         kernel_refs.kernel(
             traced_for(
-                functools.partial(_forward_kernel, plan=plan, save=save), plan.interpret is not None
+                functools.partial(_forward_kernel, plan=plan, save=save),
+                plan.interpret is not None,
+                plan.mxu_depth,
             ),
             ForwardRefs,
         ),

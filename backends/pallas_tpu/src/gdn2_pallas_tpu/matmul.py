@@ -11,11 +11,12 @@ that TPU interpret mode on a CPU computes what the TPU computes:
   own ``Precision.HIGH`` (``bf16x3``, 13% faster than the same passes written out: static cycle
   estimate of the float32 forward); in TPU interpret mode the passes are written out
   (``BF16X3_SPLIT``), so that a CPU computes the TPU's rounding rather than exact float32.
-  A product whose contraction is at most :data:`HALF_PASS` deep (the chunk's ``C = 64``: ``T``,
-  ``A_qk``, the state updates ``K̃^T R``) would fill half of each of Mosaic's three 128-deep MXU
-  passes; on a TPU and in interpret mode alike it runs as two full ones instead,
-  ``[a_hi | a_lo] @ [b_hi ; b_hi]`` (``hi*hi + lo*hi``, at twice the depth) and ``a_hi @ b_lo``:
-  the same three terms (:func:`_bf16x3_packed`).
+  A product whose contraction is at most half as deep as the target's MXU (v5e's is 128 deep:
+  the chunk's ``C = 64``, in ``T``, ``A_qk``, the state updates ``K̃^T R``; v6e's 256: every
+  product of ``d = 128`` too) would fill half of each of Mosaic's three passes; on a TPU and in
+  interpret mode alike it runs as two full ones instead, ``[a_hi | a_lo] @ [b_hi ; b_hi]``
+  (``hi*hi + lo*hi``, at twice the depth) and ``a_hi @ b_lo``: the same three terms
+  (:func:`_bf16x3_packed`; the depth is the plan's, :func:`traced_for`).
 - ``F32``: ``Precision.HIGHEST`` (the full float32 product, about six passes); for the few tiny
   products whose exactness matters more than their cost.
 
@@ -35,27 +36,31 @@ from jax import lax
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 
-#: The deepest contraction that ``BF16X3`` packs into two passes (:func:`_bf16x3_packed`): half of
-#: the MXU's 128-deep pass on v5e. Static estimate of the float32 train step's kernels (B=1
-#: T=1024 H=6, v5e): 250,802 -> 222,449 cycles (docs/algorithm.md section 10).
-HALF_PASS = 64
+#: The MXU's contraction depth assumed outside a kernel (:func:`traced_for` sets the plan's): v5e's.
+DEFAULT_MXU_DEPTH = 128
 
 #: Whether a batch of units' products is one batched ``dot_general`` (TPU interpret mode, which
 #: dispatches every product on its own: ``U`` of them took three times as long in the tests) or
 #: ``U`` two-dimensional ones (the compiled kernels; :func:`_dot` says why). The same products
 #: either way. Set while a kernel body is traced (:func:`traced_for`); per unit outside one.
 _BATCHED = contextvars.ContextVar("gdn2_pallas_tpu_batched_units", default=False)
+#: The deepest contraction that ``BF16X3`` packs into two passes (:func:`_bf16x3_packed`): half
+#: the target MXU's depth. Static estimate of the float32 train step's kernels (B=1 T=1024 H=6):
+#: v5e 250,802 -> 222,449 cycles; v6e 223,743 -> 174,928 (docs/algorithm.md section 10).
+_HALF_PASS = contextvars.ContextVar("gdn2_pallas_tpu_half_pass", default=DEFAULT_MXU_DEPTH // 2)
 
 
-def traced_for(body: Callable, interpret: bool) -> Callable:
-    """``body`` (a kernel) traced with its products batched in interpret mode, per unit else."""
+def traced_for(body: Callable, interpret: bool, mxu_depth: int = DEFAULT_MXU_DEPTH) -> Callable:
+    """``body`` (a kernel) traced with its products batched in interpret mode, per unit else,
+    and its float32 products packed for an MXU ``mxu_depth`` deep (``Plan.mxu_depth``)."""
 
     def traced(*args, **kwargs):
-        token = _BATCHED.set(interpret)
+        tokens = _BATCHED.set(interpret), _HALF_PASS.set(mxu_depth // 2)
         try:
             return body(*args, **kwargs)
         finally:
-            _BATCHED.reset(token)
+            _BATCHED.reset(tokens[0])
+            _HALF_PASS.reset(tokens[1])
 
     return traced
 
@@ -112,7 +117,7 @@ def _dot(a: jax.Array, b: jax.Array, contract, precision: MatmulPrecision) -> ja
 def _dot_any(a: jax.Array, b: jax.Array, dims, precision: MatmulPrecision) -> jax.Array:
     (ca,), _ = dims[0]
     three_terms = precision in (MatmulPrecision.BF16X3, MatmulPrecision.BF16X3_SPLIT)
-    if three_terms and a.shape[ca] <= HALF_PASS:  # half a pass deep: two full passes
+    if three_terms and a.shape[ca] <= _HALF_PASS.get():  # half a pass deep: two full ones
         return _bf16x3_packed(a, b, dims)
     if precision is MatmulPrecision.F32:
         return lax.dot_general(
@@ -144,7 +149,7 @@ def _dot_any(a: jax.Array, b: jax.Array, dims, precision: MatmulPrecision) -> ja
 def _bf16x3_packed(a: jax.Array, b: jax.Array, dims) -> jax.Array:
     """``hi*hi + hi*lo + lo*hi`` of ``a``, ``b`` (``dims``: ``lax.dot_general``'s) in two MXU
     passes: ``[a_hi | a_lo]`` against ``[b_hi ; b_hi]``, concatenated along the contraction (a
-    ``HALF_PASS``-deep product fills one pass with both terms), and ``a_hi`` against ``b_lo``."""
+    product half the MXU deep fills one pass with both terms), and ``a_hi`` against ``b_lo``."""
     (ca,), (cb,) = dims[0]
     a_hi, a_lo = split_bf16(a)
     b_hi, b_lo = split_bf16(b)

@@ -62,7 +62,7 @@ import jax.numpy as jnp
 
 from gdn2_pallas_tpu import state_writes
 from gdn2_pallas_tpu.config import InterpretMode, PallasTpuConfig
-from gdn2_pallas_tpu.matmul import MatmulPrecision
+from gdn2_pallas_tpu.matmul import DEFAULT_MXU_DEPTH, MatmulPrecision
 from gdn2core.plugin import L2NORM_EPS, KernelConfig, OpSpec, SegmentMode
 
 F32_BYTES: Final = 4
@@ -141,6 +141,13 @@ def vmem_capacity_bytes(like: jax.Array | None = None) -> int:
     ``DEFAULT_VMEM_CAPACITY``."""
     info = _tpu_info(like)
     return DEFAULT_VMEM_CAPACITY if info is None else int(info.vmem_capacity_bytes)
+
+
+def mxu_contraction_depth(like: jax.Array | None = None) -> int:
+    """The MXU's contraction depth (``mxu_column_size``) of the TPU this program is built for
+    (:func:`_tpu_info`): 128 on v5e, 256 on v6e; off a TPU ``matmul.DEFAULT_MXU_DEPTH`` (128)."""
+    info = _tpu_info(like)
+    return DEFAULT_MXU_DEPTH if info is None else int(info.mxu_column_size)
 
 
 def tensor_cores(like: jax.Array | None = None) -> int:
@@ -257,6 +264,8 @@ class Plan:
     float32_decay: bool = False  # g (and dg) float32 beside bfloat16 inputs (OpSpec.float32_decay)
     saved_state_dtype: str = "float32"  # the train forward's saved step-entry states
     #   (saved_state_dtype_for; the backward rebuilds the chunks' states from them in float32)
+    mxu_depth: int = DEFAULT_MXU_DEPTH  # the target's MXU contraction depth: float32 products
+    #   at most half as deep take two passes, not three (matmul.py, mxu_contraction_depth)
 
     def scalar(self, name: str) -> bool:
         """Whether the kernels read gate ``name`` (and write its gradient) as a scalar gate."""
@@ -472,6 +481,7 @@ def make_plan(
     scalar_gates: tuple[str, ...] = (),
     training: bool = False,
     cores: int | None = None,
+    mxu_depth: int | None = None,
 ) -> Plan:
     """The plan of one call (see the module docstring for the choices); ``n_seqs``: the
     sequences of a ``cu_seqlens`` call (0 otherwise; :func:`varlen_plan` gives the row);
@@ -480,7 +490,8 @@ def make_plan(
     ``training``: the plan of the training forward and the backward (at least ``dv / C`` and
     ``dk dv / C^2`` chunks a step, so that the saved step states stay small); ``cores``: the
     TensorCores that share the parallel grid axes (None: :func:`tensor_cores` of the target;
-    interpret mode: the simulated cores).
+    interpret mode: the simulated cores); ``mxu_depth``: the MXU's contraction depth (None:
+    :func:`mxu_contraction_depth` of the target).
 
     Raises:
         TypeError: ``config`` is another backend's config class (:class:`PallasTpuConfig`).
@@ -527,6 +538,7 @@ def make_plan(
             activations=activations,
             n_seqs=n_seqs,
             chunk_states=chunk_states,
+            mxu_depth=mxu_contraction_depth() if mxu_depth is None else mxu_depth,
             scalar_gates=tuple(scalar_gates),
             uniform_gate=spec.uniform_gate,
             float32_decay=spec.float32_decay,
@@ -577,26 +589,27 @@ def check_plan(spec: OpSpec, config: KernelConfig) -> str | None:
 
 
 def varlen_plan(spec: OpSpec, config: KernelConfig, vmem_capacity: int, activations=None,
-                cores: int | None = None) -> Plan:  # fmt: skip
+                cores: int | None = None, mxu_depth: int | None = None) -> Plan:  # fmt: skip
     """The plan of a ``cu_seqlens`` call: the chunk-aligned row of ``spec.n_seqs`` sequences
     (varlen.py), one batch row."""
     from gdn2_pallas_tpu import varlen
 
     plan = make_plan(spec, config, vmem_capacity, activations=activations, n_seqs=spec.n_seqs,
-                     scalar_gates=spec.scalar_gates, cores=cores)  # fmt: skip
+                     scalar_gates=spec.scalar_gates, cores=cores, mxu_depth=mxu_depth)  # fmt: skip
     t_pad = varlen.padded_length(spec.seq_len, spec.n_seqs, plan.C, plan.step_len)
     return dataclasses.replace(plan, batch=1, seq_len=t_pad, n_seqs=spec.n_seqs)
 
 
 def pooled_plan(spec: OpSpec, config: KernelConfig, vmem_capacity: int, activations, stores: bool,
-                pool_groups: int, cores: int | None = None) -> Plan:  # fmt: skip
+                pool_groups: int, cores: int | None = None,
+                mxu_depth: int | None = None) -> Plan:  # fmt: skip
     """The plan of a pooled call: the chunk-aligned row of ``spec.n_seqs`` requests (pooled.py),
     one batch row; ``stores``: with checkpoints (a filler before each request). Token-major
     calls read the flat tokens (``token_rows``: ``T``, at least one grid step; flat_tokens.py)."""
     from gdn2_pallas_tpu import varlen
 
     plan = make_plan(spec, config, vmem_capacity, activations=activations, n_seqs=spec.n_seqs,
-                     scalar_gates=spec.scalar_gates, cores=cores)  # fmt: skip
+                     scalar_gates=spec.scalar_gates, cores=cores, mxu_depth=mxu_depth)  # fmt: skip
     flat = plan.layout is Layout.TOKEN_MAJOR
     wasted = spec.n_seqs * (2 if stores else 1)  # chunks the requests may waste (pooled.py)
     wasted += 2 if flat else 0  # and the zero chunks' (flat_tokens.py, section Output)
