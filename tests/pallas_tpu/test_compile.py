@@ -84,11 +84,12 @@ def test_plans_give_both_tensor_cores_of_a_device_work(monkeypatch, topology, hb
     assert [(p.hb, p.grid()[:2]) for p in plans] == [(hb, (1, 6 // hb))] * 2
 
 
-@pytest.mark.parametrize(("topology", "depth"), [("v5e:1x1", 128), ("v6e:1x1", 256)])
-def test_plans_take_the_mxu_depth_of_the_target(topology, depth):
+@pytest.mark.parametrize(("topology", "depth", "nc"), [("v5e:1x1", 128, 4), ("v6e:1x1", 256, 8)])
+def test_plans_take_the_mxu_depth_of_the_target(topology, depth, nc):
     """A plan's ``mxu_depth`` is the target chip's (``TpuInfo.mxu_column_size``, read like the
     VMEM and the TensorCores): float32 products at most half as deep take two MXU passes
-    (matmul.py), 64-deep ones on v5e, 128-deep ones too on v6e."""
+    (matmul.py), 64-deep ones on v5e, 128-deep ones too on v6e; and a grid step takes twice the
+    rows on v6e (plan.max_step_rows): 8 chunks of 6 heads, 4 on v5e."""
     import jax
     from jax.experimental import topologies
 
@@ -98,9 +99,9 @@ def test_plans_take_the_mxu_depth_of_the_target(topology, depth):
     devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
     with jax.sharding.use_abstract_mesh(jax.sharding.Mesh(devices, ("x",)).abstract_mesh):
         plan = make_plan(OpSpec(1, 1024, 6, 128, 128, "float32", 1.0), DEFAULT_CONFIG)
-    assert plan.mxu_depth == depth
+    assert (plan.mxu_depth, plan.hb, plan.nc) == (depth, 6, nc)
     off_tpu = make_plan(OpSpec(1, 1024, 6, 128, 128, "float32", 1.0), DEFAULT_CONFIG)
-    assert off_tpu.mxu_depth == 128  # matmul.DEFAULT_MXU_DEPTH: the chip unknown
+    assert (off_tpu.mxu_depth, off_tpu.nc) == (128, 4)  # matmul.DEFAULT_MXU_DEPTH: chip unknown
 
 
 @pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])

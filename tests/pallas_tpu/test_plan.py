@@ -15,7 +15,7 @@ from gdn2_pallas_tpu import cost
 from gdn2_pallas_tpu.config import PallasTpuConfig
 from gdn2_pallas_tpu.kernels_bwd import backward_call
 from gdn2_pallas_tpu.kernels_fwd import forward_call
-from gdn2_pallas_tpu.plan import MAX_STEP_ROWS, check_plan, make_plan, vmem_bytes
+from gdn2_pallas_tpu.plan import MAX_STEP_ROWS, check_plan, make_plan, max_step_rows, vmem_bytes
 from gdn2core import DEFAULT_CONFIG, LONG_CHUNKS, KernelConfig
 from gdn2core.ops.forward.spec import OpSpec
 
@@ -38,6 +38,21 @@ def test_blocking(H, T, hb, nc):
     assert (plan.hb, plan.nc) == (hb, nc)
     assert plan.units * plan.C <= MAX_STEP_ROWS or plan.units == plan.hb
     assert plan.t_pad % plan.step_len == 0 and plan.t_pad >= T
+
+
+@pytest.mark.parametrize(
+    ("config", "n_seqs", "nc"),
+    [(DEFAULT_CONFIG, 0, 8), (LONG_CHUNKS, 0, 4), (DEFAULT_CONFIG, 3, 4)],
+)
+def test_a_256_deep_mxu_takes_twice_the_rows_a_step(config, n_seqs, nc):
+    """v6e (MXU 256 deep): 6 heads take 8 chunks of 64 or 4 of 128 a step, twice v5e's rows
+    (a cu_seqlens call keeps v5e's: each sequence may pad up to a step)."""
+    spec = OpSpec(1, 4096, 6, 128, 128, "bfloat16", 1.0)
+    deep = make_plan(spec, config, V5E, mxu_depth=256, n_seqs=n_seqs)
+    assert (deep.hb, deep.nc) == (6, nc)
+    shallow = make_plan(spec, config, V5E, mxu_depth=128, n_seqs=n_seqs)
+    assert deep.units * deep.C == (1 if n_seqs else 2) * shallow.units * shallow.C
+    assert deep.units * deep.C <= max_step_rows(256, n_seqs)
 
 
 @pytest.mark.parametrize(

@@ -293,6 +293,39 @@ def test_the_table_takes_its_shapes_and_chips_and_gives_the_temp_hbm(monkeypatch
     assert rows[0].endswith("| 192.0 |") and rows[1].endswith("| n/a |"), rows
 
 
+def test_the_table_runs_both_backends_at_the_named_preset(monkeypatch, tmp_path):
+    """``--config LONG_CHUNKS``: both backends' programs at that preset, the roofline at its
+    chunk length, and the preset named in the rows' shape column."""
+    fit = {"points": [(512, 1), (1024, 2), (2048, 4)], "cycles_per_token": 1.0,
+           "max_rel_residual": 0.0}  # fmt: skip
+    asked, chunks = [], []
+
+    def run(program, tpu):
+        asked.append((program.backend, program.config))
+        ops = [OpCycles("gdn2_fwd", 1_750_000, 1, True, fit=fit)]
+        return Estimate(program, tpu, ops, None, {}, [], op_bytes={"gdn2_fwd": 1})
+
+    def roofline(program, tpu, C):
+        chunks.append(C)
+        return 1.0
+
+    monkeypatch.setattr(tpu_estimate, "run", run)
+    monkeypatch.setattr(tpu_estimate, "roofline_ms", roofline)
+    out = tmp_path / "table.md"
+    from gdn2_tools.tpu_report import main
+
+    argv = ["--table", str(out), "--shapes", "train", "--tpus", "v6e", "--dtypes", "bfloat16"]
+    assert main([*argv, "--config", "LONG_CHUNKS"]) == 0
+    assert sorted(set(asked)) == [("jax_ref", "LONG_CHUNKS"), ("pallas_tpu", "LONG_CHUNKS")]
+    assert set(chunks) == {128}
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| B=")]
+    assert [r.split(" | ")[0] for r in rows] == ["| B=8 T=4096 H=6 d=128 LONG_CHUNKS (C=128)"] * 2
+    asked.clear()
+    assert main(argv) == 0  # the default: DEFAULT_CONFIG, unnamed
+    assert sorted(set(asked)) == [("jax_ref", "default"), ("pallas_tpu", "default")]
+    assert "LONG_CHUNKS" not in out.read_text()
+
+
 @pytest.mark.parametrize(
     "argv, error",
     [(["--shapes", "long"], "--shapes, --tpus and --dtypes apply to --table only"),

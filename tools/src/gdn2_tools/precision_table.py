@@ -49,10 +49,16 @@ def _outputs_and_grads(fn, inp):
 
 
 def worst_errors(
-    dtype: str, bf16_stages: Sequence[str], T: int, H: int, d: int, states: str | None = None
+    dtype: str,
+    bf16_stages: Sequence[str],
+    T: int,
+    H: int,
+    d: int,
+    states: str | None = None,
+    bt: int = 64,
 ):
     """Worst relative error of the outputs and of the gradients over the cases (``states``: the
-    saved step states' dtype, None for the plan's)."""
+    saved step states' dtype, None for the plan's; ``bt``: the chunk length)."""
     import jax
     import jax.numpy as jnp
 
@@ -67,7 +73,9 @@ def worst_errors(
         precisions_for(dtype), **{s: MatmulPrecision.BF16 for s in bf16_stages}
     )
     plan = make_plan(
-        OpSpec(1, T, H, d, d, dtype, d**-0.5), KernelConfig(interpret=True), precisions=precisions
+        OpSpec(1, T, H, d, d, dtype, d**-0.5),
+        KernelConfig(bt=bt, interpret=True),
+        precisions=precisions,
     )
     if states is not None:
         plan = dataclasses.replace(plan, saved_state_dtype=states)
@@ -94,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("-T", type=int, default=256)
     p.add_argument("-H", type=int, default=2)
     p.add_argument("-d", type=int, default=128, help="dk = dv")
+    p.add_argument("--bt", type=int, default=64, help="chunk length C (KernelConfig.bt)")
     p.add_argument(
         "--only-dtype", choices=("float32", "bfloat16"), help="the rows of one input dtype only"
     )
@@ -101,7 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     import jax
 
     jax.config.update("jax_enable_x64", True)  # the float64 reference
-    print(f"T={args.T} H={args.H} dk=dv={args.d}, pallas_tpu in TPU interpret mode", flush=True)
+    print(
+        f"T={args.T} H={args.H} dk=dv={args.d} C={args.bt}, pallas_tpu in TPU interpret mode",
+        flush=True,
+    )
     if args.only_dtype:
         print(f"(the {args.only_dtype} rows only)")
     print("| inputs | products | worst forward | worst gradient |")
@@ -109,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for dtype, label, stages, states in VARIANTS:
         if args.only_dtype and dtype != args.only_dtype:
             continue
-        fwd, grad = worst_errors(dtype, stages, args.T, args.H, args.d, states)
+        fwd, grad = worst_errors(dtype, stages, args.T, args.H, args.d, states, args.bt)
         print(f"| {dtype} | {label} | {fwd:.1e} | {grad:.1e} |", flush=True)
     return 0
 

@@ -265,10 +265,13 @@ def _mib(value: float | None) -> str:
 
 def table_main(argv: Sequence[str]) -> int:
     """``gdn2 tpu-report --table OUT.md [--json OUT.json] [--shapes ...] [--tpus ...]
-    [--dtypes ...]``: the table of docs/results.md (every row a compiler estimate): pallas_tpu and
-    jax_ref, train step and forward, per shape, generation and dtype, with pallas_tpu's compiled
-    temp HBM."""
+    [--dtypes ...] [--config PRESET]``: the table of docs/results.md (every row a compiler
+    estimate): pallas_tpu and jax_ref, train step and forward, per shape, generation and dtype,
+    with pallas_tpu's compiled temp HBM; both backends at the preset's chunk length (default:
+    DEFAULT_CONFIG; another one is named in the shape column)."""
     import argparse
+
+    from gdn2core import DEFAULT_CONFIG, PRESETS
 
     p = argparse.ArgumentParser(prog="gdn2 tpu-report --table")
     p.add_argument("--table", required=True, help="markdown output file")
@@ -276,12 +279,14 @@ def table_main(argv: Sequence[str]) -> int:
     p.add_argument("--tpus", default=",".join(TABLE_TPUS))
     p.add_argument("--dtypes", default=",".join(TABLE_DTYPES))
     p.add_argument("--shapes", default=",".join(TABLE_SHAPES))
+    p.add_argument("--config", choices=("default", *PRESETS), default="default",
+                   help="KernelConfig preset of both backends (default: DEFAULT_CONFIG)")  # fmt: skip
     args = p.parse_args(list(argv))
     problem = table_names_problem(args.shapes, args.tpus, args.dtypes)
     if problem:
         p.error(problem)
-    from gdn2core import DEFAULT_CONFIG
-
+    config = DEFAULT_CONFIG if args.config == "default" else PRESETS[args.config]
+    named = "" if args.config == "default" else f" {args.config} (C={config.bt})"
     lines = [
         "| shape | TPU | dtype | mode | pallas_tpu ms | jax_ref ms | roofline ms | pallas / roofline | jax_ref / pallas | pallas_tpu temp HBM MiB |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -295,16 +300,16 @@ def table_main(argv: Sequence[str]) -> int:
                 for mode in ("train", "forward"):
                     cells = {}
                     for backend in ("pallas_tpu", "jax_ref"):
-                        program = Program(backend, mode, B, T, H, K, V, dtype)
+                        program = Program(backend, mode, B, T, H, K, V, dtype, args.config)
                         print(f"[{time.time() - start:6.0f} s] {shape} {tpu} {dtype} {mode} {backend}",
                               file=sys.stderr, flush=True)  # fmt: skip
-                        cells[backend] = row_of(program, tpu, DEFAULT_CONFIG.bt)
+                        cells[backend] = row_of(program, tpu, config.bt)
                         ok &= cells[backend].trustworthy
                         raw.append(dataclasses.asdict(cells[backend]))
                     pal, ref = cells["pallas_tpu"], cells["jax_ref"]
                     flag = {n: "" if c.trustworthy else " (see notes)" for n, c in cells.items()}
                     lines.append(
-                        f"| B={B} T={T} H={H} d={K} | {tpu} | {dtype} | {mode} | "
+                        f"| B={B} T={T} H={H} d={K}{named} | {tpu} | {dtype} | {mode} | "
                         f"{pal.ms:.2f}{flag['pallas_tpu']} | {ref.ms:.2f}{flag['jax_ref']} | "
                         f"{pal.roofline_ms:.2f} | {pal.ms / pal.roofline_ms:.1f}x | "
                         f"{ref.ms / pal.ms:.1f}x | {_mib(pal.temp_mib)} |"

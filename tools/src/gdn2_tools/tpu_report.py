@@ -203,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.table:
             return tpu_estimate.table_main(
                 ["--table", args.table, "--shapes", args.shapes, "--tpus", args.tpus,
-                 "--dtypes", args.dtypes]
+                 "--dtypes", args.dtypes, "--config", args.config]
             )  # fmt: skip
         from gdn2core import DEFAULT_CONFIG, PRESETS
 

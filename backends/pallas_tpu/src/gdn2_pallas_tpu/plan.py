@@ -15,7 +15,8 @@ H=6 d=128): one unit per step costs about 4x the cycles of ``hb=6, nc=4`` per ch
   where one core would otherwise run every step while the other idles (forward at B=1 T=2048
   H=6 on v5p, static estimate: docs/results.md). Token-major blocks keep 8 heads (B=1 H=8 stays
   on one core: a smaller block would need the head-major copy of every input);
-- ``nc``: up to ``MAX_STEP_ROWS / (hb C)`` chunks, preferring a divisor of the number of chunks
+- ``nc``: up to ``rows / (hb C)`` chunks (``rows``: :func:`max_step_rows`, twice as many on v6e's
+  256-deep MXU as on v5e's), preferring a divisor of the number of chunks
   (no padding), reduced until the VMEM byte model fits the budget. A training plan (the training
   forward and the backward) takes at least ``dv / C`` chunks (``nc C >= dv`` tokens a step) and
   at least ``dk dv / C^2`` (``nc C^2 >= dk dv``): the state it saves for the backward at every
@@ -71,9 +72,13 @@ NUM_LANES: Final = 128
 NUM_SUBLANES: Final = 8
 #: Heads per grid step at most.
 MAX_HEADS_PER_STEP: Final = 8
-#: Rows (tokens x heads) of a grid step at most: 24 units of C = 64 (4 chunks of 6 heads), the
-#: measured best at the train shape; more adds VMEM but no speed.
+#: Rows (tokens x heads) of a grid step at most on a 128-deep MXU (v5e): 24 units of C = 64 (4
+#: chunks of 6 heads), the measured best at the train shape; more adds VMEM but no speed.
 MAX_STEP_ROWS: Final = 24 * 64
+#: The same on a 256-deep MXU (v6e), where twice the rows were faster (static estimate, v6e,
+#: bf16, B=1 T=1024 H=6: the train kernels 113,698 -> 107,560 cycles at C = 64, 104,466 ->
+#: 98,269 at C = 128; docs/algorithm.md section 10).
+MAX_STEP_ROWS_DEEP_MXU: Final = 48 * 64
 #: The largest exponent a factor of merged levels may reach (:attr:`Plan.merged_block`): exp(64)
 #: is 6e27, which leaves float32 (3e38) ten orders of magnitude for the sums of such products
 #: in the score backward before the small factor brings them back.
@@ -469,6 +474,15 @@ def vmem_bytes(plan: Plan, backward: bool) -> dict[str, int]:
     return {"blocks": blocks, "scratch": scratch, "live": live, "total": blocks + scratch + live}
 
 
+def max_step_rows(mxu_depth: int, n_seqs: int = 0) -> int:
+    """Rows (tokens x heads) a grid step may take on an MXU ``mxu_depth`` deep: twice
+    :data:`MAX_STEP_ROWS` on a 256-deep one (:data:`MAX_STEP_ROWS_DEEP_MXU`), but in a
+    ``cu_seqlens`` or pooled call (``n_seqs``), whose every sequence may leave up to one step's
+    worth of padding."""
+    deep = mxu_depth >= 2 * DEFAULT_MXU_DEPTH and not n_seqs
+    return MAX_STEP_ROWS_DEEP_MXU if deep else MAX_STEP_ROWS
+
+
 def make_plan(
     spec: OpSpec,
     config: KernelConfig,
@@ -503,12 +517,14 @@ def make_plan(
     C = int(config.bt)
     layout = layout_for(spec.heads)
     cores = planned_cores(config, cores)
+    mxu_depth = mxu_contraction_depth() if mxu_depth is None else mxu_depth
     rows = 1 if n_seqs else spec.batch  # a cu_seqlens or pooled call is one row
     hb = heads_per_step(spec.heads, rows, cores, layout is Layout.TOKEN_MAJOR)
     n_chunks = max(1, math.ceil(spec.seq_len / C))
     # nc divides the chunks when it can: a partial last step would pad every token array (a copy
     # through HBM), and T a multiple of C then needs no padding at all.
-    nc_max = max(1, min(MAX_CHUNKS_PER_STEP, MAX_STEP_ROWS // (hb * C), n_chunks))
+    step_rows = max_step_rows(mxu_depth, n_seqs)
+    nc_max = max(1, min(MAX_CHUNKS_PER_STEP, step_rows // (hb * C), n_chunks))
     nc = max(d for d in range(1, nc_max + 1) if n_chunks % d == 0)
     if nc < nc_max // 2:  # e.g. a prime number of chunks: pad rather than lose the batching
         nc = nc_max
@@ -538,7 +554,7 @@ def make_plan(
             activations=activations,
             n_seqs=n_seqs,
             chunk_states=chunk_states,
-            mxu_depth=mxu_contraction_depth() if mxu_depth is None else mxu_depth,
+            mxu_depth=mxu_depth,
             scalar_gates=tuple(scalar_gates),
             uniform_gate=spec.uniform_gate,
             float32_decay=spec.float32_decay,
