@@ -410,6 +410,14 @@ def run_counts(hlo: str) -> tuple[dict[str, int], list[str]]:
     return {name: runs(comp) for name, comp in computation_of.items()}, unknown
 
 
+def preset(name: str):
+    """The ``KernelConfig`` a tool's ``--config`` name stands for (:attr:`Program.config`):
+    ``"default"`` is ``DEFAULT_CONFIG``, any other name a ``gdn2core.PRESETS`` entry."""
+    from gdn2core import DEFAULT_CONFIG, PRESETS
+
+    return DEFAULT_CONFIG if name == "default" else PRESETS[name]
+
+
 # -------------------------------------------------------------------------------------------------
 # Compiling in a child process
 # -------------------------------------------------------------------------------------------------
@@ -418,9 +426,8 @@ def _child_main(argv: Sequence[str]) -> int:
     ``hlo.txt`` and ``meta.json`` (the profile itself is written by libtpu)."""
     program, tpu, work = Program(**json.loads(argv[0])), argv[1], argv[2]
     from gdn2_tools.tpu import TOPOLOGIES, compile_decode, compile_op
-    from gdn2core import DEFAULT_CONFIG, PRESETS
 
-    config = DEFAULT_CONFIG if program.config == "default" else PRESETS[program.config]
+    config = preset(program.config)
     if program.mode == "decode":
         compiled = compile_decode(
             program.backend, TOPOLOGIES[tpu], program.B, program.T, program.H,

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from gdn2_tools.chips import CHIPS
-from gdn2_tools.static_profile import LABEL, Estimate, Program, estimate, estimate_fit
+from gdn2_tools.static_profile import LABEL, Estimate, Program, estimate, estimate_fit, preset
 from gdn2_tools.tpu import SCALAR_GATES
 
 #: bf16 matmul FLOP/s and HBM bytes/s per chip (chips.py).
@@ -271,7 +271,7 @@ def table_main(argv: Sequence[str]) -> int:
     DEFAULT_CONFIG; another one is named in the shape column)."""
     import argparse
 
-    from gdn2core import DEFAULT_CONFIG, PRESETS
+    from gdn2core import PRESETS
 
     p = argparse.ArgumentParser(prog="gdn2 tpu-report --table")
     p.add_argument("--table", required=True, help="markdown output file")
@@ -285,7 +285,7 @@ def table_main(argv: Sequence[str]) -> int:
     problem = table_names_problem(args.shapes, args.tpus, args.dtypes)
     if problem:
         p.error(problem)
-    config = DEFAULT_CONFIG if args.config == "default" else PRESETS[args.config]
+    config = preset(args.config)
     named = "" if args.config == "default" else f" {args.config} (C={config.bt})"
     lines = [
         "| shape | TPU | dtype | mode | pallas_tpu ms | jax_ref ms | roofline ms | pallas / roofline | jax_ref / pallas | pallas_tpu temp HBM MiB |",

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from gdn2_tools.preflight import missing
+from gdn2_tools.static_profile import preset
 from gdn2_tools.tpu import TOPOLOGIES
 from gdn2_tools.tpu_estimate import (
     PEAKS,
@@ -205,23 +206,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ["--table", args.table, "--shapes", args.shapes, "--tpus", args.tpus,
                  "--dtypes", args.dtypes, "--config", args.config]
             )  # fmt: skip
-        from gdn2core import DEFAULT_CONFIG, PRESETS
-
-        config = DEFAULT_CONFIG if args.config == "default" else PRESETS[args.config]
-        return tpu_estimate.estimate_main(args, config)
+        return tpu_estimate.estimate_main(args, preset(args.config))
     if not args.no_compile:
         problem = missing("libtpu", extra="tpu", why="gdn2 tpu-report (compiled HBM)")
         if problem:
             print(f"gdn2 tpu-report: {problem}; --no-compile skips that part")
             return 2
     from gdn2_tools.tpu import compile_op
-    from gdn2core import DEFAULT_CONFIG, PRESETS
     from gdn2core.ops.forward.spec import OpSpec
     from gdn2core.registry import BackendNotFoundError, get_backend, plugin_hook
     from gdn2core.selection import resolve_backend
     from gdn2core.verdict import judge
 
-    config = DEFAULT_CONFIG if args.config == "default" else PRESETS[args.config]
+    config = preset(args.config)
     B, T, H, K, V = args.batch, args.seq_len, args.heads, args.dk, args.dv
     spec = OpSpec(B, T, H, K, V, args.dtype, K**-0.5)
     try:
