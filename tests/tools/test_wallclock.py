@@ -1,0 +1,42 @@
+"""python -m gdn2_tools.wallclock: rows in order, the cross-check against the first row of the same
+dtype and program, and refused specs naming what was expected."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gdn2_tools import wallclock
+
+
+def test_rows_time_each_program_and_cross_check_the_first_of_their_kind(tmp_path, capsys):
+    out = tmp_path / "times.jsonl"
+    specs = ["jax_ref:float32:forward", "scan_baseline:float32:forward", "jax_ref:float32:train"]
+    assert (
+        wallclock.main([*specs, "--shape", "1,24,2,16", "--repeats", "2", "--out", str(out)]) == 0
+    )
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["spec"] for r in rows] == specs
+    assert capsys.readouterr().out.count("median_ms") == 3
+    for r in rows:
+        assert r["median_ms"] > 0 and r["repeats"] == 2 and r["finite"]
+        assert r["kernels"] == 0  # XLA programs on a CPU: no Mosaic kernel
+    # The scan against the chunked jax_ref, both float32 on the same inputs: a chunked sum's
+    # rounding (the kit's float32 tolerance is 1e-4); a wrong pairing of rows would be O(1).
+    assert rows[1]["diff_vs"] == specs[0] and rows[1]["diff"] < 1e-5
+    assert "diff" not in rows[0] and "diff" not in rows[2]  # the first of their program
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["jax_ref:float16:forward"], "DTYPE float32 or bfloat16"),
+        (["jax_ref:float32:backward"], "PROGRAM one of ('forward', 'train')"),
+        (["jax_ref:float32:forward", "--shape", "1,2,3"], "expected B,T,H,DK or B,T,H,DK,DV"),
+    ],
+)
+def test_a_bad_spec_or_shape_is_refused_by_name(argv, needle, capsys):
+    with pytest.raises(SystemExit):
+        wallclock.main(argv)
+    assert needle in capsys.readouterr().err
