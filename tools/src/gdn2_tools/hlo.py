@@ -1,4 +1,5 @@
-"""Collectives of a compiled program, read from its HLO text (for tests, reports and benchmarks)."""
+"""Collectives and Mosaic kernels of a compiled program, read from its HLO text (for tests, reports
+and benchmarks)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ COLLECTIVES = (
 _OP = re.compile(
     r"=\s*(?P<type>\(.*?\)|\S+)\s+(?P<op>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\("
 )
+_MOSAIC = re.compile(r'%(\S+) = [^\n]*custom_call_target="tpu_custom_call"')
 _SHAPE = re.compile(r"\b(?P<dtype>pred|[a-z]+\d+)\[(?P<dims>[\d,]*)\]")
 
 
@@ -67,3 +69,9 @@ def collective_summary(hlo_text: str) -> list[Collective]:
                     for s in _SHAPE.finditer(m.group("type"))), default=0)  # fmt: skip
         found.append(Collective(m.group("op"), shapes, size))
     return found
+
+
+def mosaic_kernels(hlo_text: str) -> list[str]:
+    """The names of the Mosaic kernels (``tpu_custom_call`` instructions) in a compiled program's
+    HLO, in order; none for a program compiled off a TPU or run in interpret mode."""
+    return _MOSAIC.findall(hlo_text)

@@ -46,6 +46,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from gdn2_tools.chips import CHIPS
+from gdn2_tools.hlo import mosaic_kernels
 
 #: Clock of a TensorCore (chips.py: how each is derived, and where HBM time is not modelled).
 CLOCK_HZ: Final = {name: chip.clock_hz for name, chip in CHIPS.items()}
@@ -446,7 +447,7 @@ def _child_main(argv: Sequence[str]) -> int:
     hlo = compiled.as_text()
     with open(os.path.join(work, "hlo.txt"), "w") as f:
         f.write(hlo)
-    kernels = re.findall(r'%(\S+) = [^\n]*custom_call_target="tpu_custom_call"', hlo)
+    kernels = mosaic_kernels(hlo)
     memory = compiled.memory_analysis()
     meta = {"kernels": kernels, "temp_bytes": memory.temp_size_in_bytes if memory else None}
     with open(os.path.join(work, "meta.json"), "w") as f:

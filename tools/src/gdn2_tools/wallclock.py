@@ -30,10 +30,12 @@ import jax
 import numpy as np
 
 from gdn2_conformance.metrics import rel_err
+from gdn2_tools.bench.cli import DTYPES
 from gdn2_tools.bench.inputs import make_inputs
 from gdn2_tools.bench.programs import programs_for
-from gdn2_tools.bench.shapes import BenchShape
+from gdn2_tools.bench.shapes import BenchShape, parse_shape
 from gdn2_tools.bench.timing import compile_program, run_once, time_repeats
+from gdn2_tools.hlo import mosaic_kernels
 
 PROGRAMS: Final = ("forward", "train")
 
@@ -49,7 +51,7 @@ class Spec:
     @classmethod
     def parse(cls, text: str) -> Spec:
         parts = text.split(":")
-        if len(parts) != 3 or parts[2] not in PROGRAMS or parts[1] not in ("float32", "bfloat16"):
+        if len(parts) != 3 or parts[2] not in PROGRAMS or parts[1] not in DTYPES:
             raise ValueError(
                 f"spec {text!r}: expected BACKEND:DTYPE:PROGRAM with DTYPE float32 or bfloat16 "
                 f"and PROGRAM one of {PROGRAMS}"
@@ -58,15 +60,6 @@ class Spec:
 
     def __str__(self) -> str:
         return f"{self.backend}:{self.dtype}:{self.program}"
-
-
-def parse_shape(text: str) -> BenchShape:
-    """``B,T,H,DK[,DV]`` (DV defaults to DK)."""
-    dims = [int(x) for x in text.split(",")]
-    if len(dims) not in (4, 5):
-        raise ValueError(f"--shape {text!r}: expected B,T,H,DK or B,T,H,DK,DV")
-    B, T, H, dk, *rest = dims
-    return BenchShape(B, T, H, dk, rest[0] if rest else dk)
 
 
 def _run(spec: Spec, shape: BenchShape, repeats: int) -> tuple[dict[str, Any], Any]:
@@ -90,7 +83,7 @@ def _run(spec: Spec, shape: BenchShape, repeats: int) -> tuple[dict[str, Any], A
         "median_ms": round(1e3 * float(np.median(times)), 4),
         "min_ms": round(1e3 * float(times.min()), 4),
         "repeats": int(times.size),
-        "kernels": (compiled.as_text() or "").count("tpu_custom_call"),
+        "kernels": len(mosaic_kernels(compiled.as_text() or "")),
         "finite": bool(all(np.isfinite(a).all() for a in leaves)),
     }
     return record, leaves
@@ -115,7 +108,9 @@ def measure(specs: Sequence[Spec], shape: BenchShape, repeats: int) -> Iterator[
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gdn2_tools.wallclock", description=__doc__)
     parser.add_argument("specs", nargs="+", help="BACKEND:DTYPE:PROGRAM (forward or train)")
-    parser.add_argument("--shape", default="8,4096,6,128", help="B,T,H,DK[,DV]")
+    parser.add_argument(
+        "--shape", default="8,4096,6,128", help="B,T,H,DK[,DV] (as gdn2 bench --shape)"
+    )
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", help="append one JSON line per row to this file")
     args = parser.parse_args(argv)

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from gdn2_tools.bench.decode import HBM_BYTES_PER_S
+from gdn2_tools.hlo import mosaic_kernels
 
 #: The default scenarios: a decode-only step, decodes with two prompts, prompts only.
 SCENARIOS: Final = ("256x1", "64x1+2x2048", "8x4096")
@@ -506,7 +507,7 @@ def _compile_main(argv: Sequence[str]) -> int:
     compiled = compile_for_tpu(fn, *x, pool, *meta, donate_argnums=(6,))
     hlo = compiled.as_text()
     Path(work, "hlo.txt").write_text(hlo)
-    kernels = re.findall(r'%(\S+) = [^\n]*custom_call_target="tpu_custom_call"', hlo)
+    kernels = mosaic_kernels(hlo)
     memory = compiled.memory_analysis()
     temp = memory.temp_size_in_bytes if memory else None
     Path(work, "meta.json").write_text(json.dumps({"kernels": kernels, "temp_bytes": temp}))
