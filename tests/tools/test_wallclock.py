@@ -7,20 +7,22 @@ import json
 
 import pytest
 
+from gdn2_conformance import Decay
 from gdn2_tools import wallclock
+from gdn2_tools.bench.inputs import make_inputs
+from gdn2_tools.bench.shapes import parse_shape
 
 
 def test_rows_time_each_program_and_cross_check_the_first_of_their_kind(tmp_path, capsys):
     out = tmp_path / "times.jsonl"
+    options = ["--shape", "1,24,2,16", "--repeats", "2", "--decay", "mixed", "--out", str(out)]
     specs = ["jax_ref:float32:forward", "scan_baseline:float32:forward", "jax_ref:float32:train"]
-    assert (
-        wallclock.main([*specs, "--shape", "1,24,2,16", "--repeats", "2", "--out", str(out)]) == 0
-    )
+    assert wallclock.main([*specs, *options]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["spec"] for r in rows] == specs
     assert capsys.readouterr().out.count("median_ms") == 3
     for r in rows:
-        assert r["median_ms"] > 0 and r["repeats"] == 2 and r["finite"]
+        assert r["median_ms"] > 0 and r["repeats"] == 2 and r["finite"] and r["decay"] == "mixed"
         assert r["kernels"] == 0  # XLA programs on a CPU: no Mosaic kernel
     # The scan against the chunked jax_ref, both float32 on the same inputs: a chunked sum's
     # rounding (the kit's float32 tolerance is 1e-4); a wrong pairing of rows would be O(1).
@@ -34,9 +36,20 @@ def test_rows_time_each_program_and_cross_check_the_first_of_their_kind(tmp_path
         (["jax_ref:float16:forward"], "DTYPE float32 or bfloat16"),
         (["jax_ref:float32:backward"], "PROGRAM one of ('forward', 'train')"),
         (["jax_ref:float32:forward", "--shape", "1,2,3"], "expected B,T,H,DK or B,T,H,DK,DV"),
+        (["jax_ref:float32:forward", "--decay", "bounded"], "invalid choice: 'bounded'"),
     ],
 )
 def test_a_bad_spec_or_shape_is_refused_by_name(argv, needle, capsys):
     with pytest.raises(SystemExit):
         wallclock.main(argv)
     assert needle in capsys.readouterr().err
+
+
+def test_the_decay_named_is_the_one_the_inputs_draw():
+    # weak: -1e-3 * sigmoid(N), so every log decay lies in (-1e-3, 0); model: -A softplus(...)
+    # with A >= 1, far below that somewhere among 1536 draws.
+    shape = parse_shape("2,24,2,16")
+    weak = make_inputs(shape, "float32", decay=Decay.WEAK)[0][5]
+    model = make_inputs(shape, "float32")[0][5]
+    assert float(weak.min()) > -1e-3 and float(weak.max()) < 0
+    assert float(model.min()) < -0.1

@@ -6,7 +6,10 @@ minutes on a lent TPU, to set a measurement beside the compiler's static estimat
 
 Each spec is ``BACKEND:DTYPE:PROGRAM``; ``forward`` is ``gdn2_forward``, ``train`` the forward and
 backward of ``gdn2_forward_trainable`` (the bench's fwd+bwd), on the bench's inputs
-(:func:`gdn2_tools.bench.inputs.make_inputs`). Compile is timed apart; one warm-up call, then the
+(:func:`gdn2_tools.bench.inputs.make_inputs`), whose log decays are model-like unless ``--decay``
+names another of the kit's distributions: pallas_tpu runs a grid step's merged-levels copy only
+when the step's decays are bounded (``--decay mixed`` or ``weak`` time the 16-row copy, ``model``
+mostly the levels; docs/algorithm.md section 10). Compile is timed apart; one warm-up call, then the
 median of ``--repeats`` blocking calls (:mod:`gdn2_tools.bench.timing`). Each row also gives:
 
 - ``kernels``: the Mosaic kernels (``tpu_custom_call``) in the compiled program: a pallas_tpu row
@@ -29,6 +32,7 @@ from typing import Any, Final
 import jax
 import numpy as np
 
+from gdn2_conformance import Decay
 from gdn2_conformance.metrics import rel_err
 from gdn2_tools.bench.cli import DTYPES
 from gdn2_tools.bench.inputs import make_inputs
@@ -62,9 +66,9 @@ class Spec:
         return f"{self.backend}:{self.dtype}:{self.program}"
 
 
-def _run(spec: Spec, shape: BenchShape, repeats: int) -> tuple[dict[str, Any], Any]:
+def _run(spec: Spec, shape: BenchShape, repeats: int, decay: Decay) -> tuple[dict[str, Any], Any]:
     """Compile, warm up and time one row; its record and its outputs."""
-    xs, h0, cts = make_inputs(shape, spec.dtype)
+    xs, h0, cts = make_inputs(shape, spec.dtype, decay=decay)
     programs = programs_for(spec.backend)
     if spec.program == "forward":
         fn, args = programs.fwd, (xs, h0)
@@ -77,6 +81,7 @@ def _run(spec: Spec, shape: BenchShape, repeats: int) -> tuple[dict[str, Any], A
     record = {
         "spec": str(spec),
         "shape": dataclasses.asdict(shape),
+        "decay": str(decay),
         "device": str(jax.devices()[0].device_kind),
         "jax": jax.__version__,
         "compile_s": round(compile_s, 2),
@@ -89,12 +94,14 @@ def _run(spec: Spec, shape: BenchShape, repeats: int) -> tuple[dict[str, Any], A
     return record, leaves
 
 
-def measure(specs: Sequence[Spec], shape: BenchShape, repeats: int) -> Iterator[dict[str, Any]]:
+def measure(
+    specs: Sequence[Spec], shape: BenchShape, repeats: int, decay: Decay = Decay.MODEL
+) -> Iterator[dict[str, Any]]:
     """One record per spec, in order, each as soon as it is measured (the fields: the module
     docstring)."""
     first: dict[tuple[str, str], tuple[str, list[np.ndarray]]] = {}
     for spec in specs:
-        record, leaves = _run(spec, shape, repeats)
+        record, leaves = _run(spec, shape, repeats, decay)
         key = (spec.dtype, spec.program)
         if key in first:
             name, ref = first[key]
@@ -112,6 +119,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--shape", default="8,4096,6,128", help="B,T,H,DK[,DV] (as gdn2 bench --shape)"
     )
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument(
+        "--decay",
+        choices=[d.value for d in Decay],
+        default=Decay.MODEL.value,
+        help="the inputs' log decays (the conformance kit's distributions; default: model)",
+    )
     parser.add_argument("--out", help="append one JSON line per row to this file")
     args = parser.parse_args(argv)
     try:
@@ -119,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shape = parse_shape(args.shape)
     except ValueError as e:
         parser.error(str(e))
-    for record in measure(specs, shape, args.repeats):
+    for record in measure(specs, shape, args.repeats, Decay(args.decay)):
         line = json.dumps(record)
         print(line, flush=True)
         if args.out:

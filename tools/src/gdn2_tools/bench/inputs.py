@@ -17,33 +17,35 @@ from gdn2_tools.bench.shapes import BenchShape
 __all__ = ["GRAD_NAMES", "bench_case", "make_inputs", "make_options"]
 
 
-def bench_case(shape: BenchShape, seed: int = 0) -> Case:
+def bench_case(shape: BenchShape, seed: int = 0, decay: Decay = Decay.MODEL) -> Case:
     """The kit's case for a bench shape.
 
     Args:
         shape: the bench shape.
         seed: the input seed.
+        decay: the log decays' distribution (model-like unless a tool asks for another).
 
     Returns:
-        A :class:`~gdn2_conformance.Case` with model-like decay and an initial state.
+        A :class:`~gdn2_conformance.Case` with that decay and an initial state.
     """
     H = shape.value_heads
-    return Case(B=shape.B, T=shape.T, H=H, dk=shape.dk, dv=shape.dv, decay=Decay.MODEL, seed=seed)
+    return Case(B=shape.B, T=shape.T, H=H, dk=shape.dk, dv=shape.dv, decay=decay, seed=seed)
 
 
-def make_inputs(shape: BenchShape, dtype: str, seed: int = 0):
+def make_inputs(shape: BenchShape, dtype: str, seed: int = 0, decay: Decay = Decay.MODEL):
     """JAX inputs of one bench row.
 
     Args:
         shape: the bench shape.
         dtype: the input dtype.
         seed: the input seed.
+        decay: the log decays' distribution (:func:`bench_case`).
 
     Returns:
         ``(xs, h0, cts)``: the six inputs in ``dtype``, float32 h0, and the cotangents
         ``(do in dtype, dh float32)``.
     """
-    x = kit_inputs(bench_case(shape, seed), jnp.dtype(dtype))
+    x = kit_inputs(bench_case(shape, seed, decay), jnp.dtype(dtype))
     xs = x.args
     if shape.HV:
         step = shape.HV // shape.H  # value heads per key head
