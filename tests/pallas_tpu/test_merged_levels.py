@@ -14,7 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
+from gdn2_pallas_tpu import activations as act
 from gdn2_pallas_tpu import chunk_math as cm
 from gdn2_pallas_tpu import plan as plan_module
 from gdn2_pallas_tpu.plan import make_plan
@@ -125,42 +128,77 @@ def _plan(bt=64, **kw):
 
 
 def test_runtime_merged_blocks_of_the_plan():
-    """Blocks of 16 and 8 rows, at most the chunk, where nothing fixes the blocking: none with
-    the bounded gate (its own block), packed sequences, a scalar decay or a fused gate."""
+    """Blocks of 16 and 8 rows, at most the chunk, where nothing fixes the blocking (the softplus
+    gate included): none with the bounded gate (its own block), packed sequences or a scalar
+    decay."""
     assert _plan().runtime_merged_blocks == (16, 8)
     assert _plan(bt=16).runtime_merged_blocks == (16, 8)
     l2norm = Activations(qk_l2norm=True)  # g passes the kernels as given
     assert _plan(activations=l2norm).runtime_merged_blocks == (16, 8)
     bounded = Activations(gate=GateMode.LOWER_BOUND, lower_bound=-5.0)
     assert _plan(activations=bounded).runtime_merged_blocks == ()
-    assert _plan(activations=Activations(gate=GateMode.SOFTPLUS)).runtime_merged_blocks == ()
+    softplus = Activations(gate=GateMode.SOFTPLUS)  # by a bound on the activated g
+    assert _plan(activations=softplus).runtime_merged_blocks == (16, 8)
     assert _plan(segments=True).runtime_merged_blocks == ()
     assert _plan(scalar_gates=("g",)).runtime_merged_blocks == ()  # a scalar decay: no levels
 
 
 def test_a_block_merges_while_its_factors_stay_within_exp_64():
-    """``|g| * block / 2 <= 64``: exactly at the bound it merges, just above it does not, and a
-    NaN never does."""
-    g = jnp.full((2, 8, 128), -1.0).at[1, 3, 7].set(-8.0)
-    assert bool(cm.mergeable(g, 16)) and bool(cm.mergeable(g, 8))
-    g = g.at[1, 3, 7].set(np.nextafter(np.float32(-8.0), np.float32(-9.0)))
-    assert not bool(cm.mergeable(g, 16)) and bool(cm.mergeable(g, 8))
-    assert not bool(cm.mergeable(g.at[0, 0, 0].set(-16.5), 8))
-    assert not bool(cm.mergeable(g.at[0, 0, 0].set(np.nan), 8))
+    """Every ``block / 2`` consecutive rows of a unit sum to ``|g| <= 64`` (by the bound of
+    chunk_math.window_maxima): exactly at the bound it merges, just above it does not, a NaN
+    never does."""
+
+    def merges(g, block):  # in a kernel (TPU interpret mode): the windows roll on sublanes
+        width = block // 2
+
+        def kernel(g_ref, out_ref):
+            bound = cm.decay_row_bound(g_ref[...])  # [1, C, K]
+            out_ref[...] = jnp.full(out_ref.shape, cm.window_maxima(bound, (width,))[width])
+
+        out = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+        window_max = pl.pallas_call(kernel, out_shape=out, interpret=pltpu.InterpretParams())(g)
+        return bool(cm.mergeable(window_max[0, 0]))
+
+    g = jnp.full((2, 16, 128), -1.0).at[1, 3:11, 7].set(-8.0)  # 8 rows of -8 on one channel
+    assert merges(g, 16) and merges(g, 8)  # 64 over those 8 rows, 32 over any 4
+    g = g.at[1, 10, 7].set(-8.0001)
+    assert not merges(g, 16) and merges(g, 8)
+    # One strong decay among mild ones: the old bound (every |g| * block / 2 <= 64) refused both.
+    one = jnp.full((2, 16, 128), -0.25).at[1, 5, 7].set(-60.0)
+    assert merges(one, 16)  # 60 + 7 * 0.25 over 8 rows
+    one = one.at[1, 5, 7].set(-63.0)
+    assert not merges(one, 16) and merges(one, 8)  # 64.75 over 8 rows, 63.75 over 4
+    assert not merges(g.at[0, 0, 0].set(np.nan), 8)
+    # The bound sums the units' largest |g| row by row, and its windows wrap around the rows:
+    # strong decays of two units at neighbouring rows, or at a unit's first and last, add up.
+    alone = jnp.full((2, 16, 128), -0.25).at[0, 3, 0].set(-40.0)
+    assert merges(alone, 8)
+    assert not merges(alone.at[1, 4, 0].set(-40.0), 8)
+    assert merges(alone.at[1, 4, 1].set(-40.0), 8)  # another channel: its own windows
+    assert not merges(
+        alone.at[0, 3, 0].set(-0.25).at[0, 0, 0].set(-40.0).at[1, 15, 0].set(-40.0), 8
+    )
 
 
-#: Log decays of a whole call, each letting one copy of the grid step run: every |g| <= 8 (16-row
-#: blocks), one token at -12 (8-row blocks), one at -30 (the levels).
-REGIMES = {"blocks-16": (None, 16), "blocks-8": (-12.0, 8), "levels": (-30.0, 1)}
+#: Log decays of a whole call (one grid step), each letting one copy of the step run: the mild
+#: decays of :func:`_regime_inputs` (all in [-2.7, 0]) with, on channel 5 of every head, one token
+#: at -30 (at most 30 + 7 * 2.7 over 8 rows: 16-row blocks, which the bound of every |g| <= 8
+#: refused before), two at -33 four rows apart (66 over the 8 rows holding both, at most 33 +
+#: 3 * 2.7 over any 4: 8-row blocks), or one at -70 (the levels).
+REGIMES = {
+    "blocks-16": (((77, -30.0),), 16),
+    "blocks-8": (((77, -33.0), (81, -33.0)), 8),
+    "levels": (((77, -70.0),), 1),
+}
 
 
-def _regime_inputs(strongest):
-    """float32 inputs of mild decays (the kit's mixed ones, clipped to [-8, 0]), with one token
-    of every head at ``strongest`` (None: none)."""
+def _regime_inputs(strong):
+    """float32 inputs of mild decays (the kit's mixed ones, clipped to [-8, 0]), with the
+    ``(row, log decay)`` of ``strong`` on channel 5 of every head."""
     args, do, dh = make_inputs(1, 150, 2, 64, 64, "float32", seed=31, strong=0.0)
     g = jnp.clip(args[5], -8.0, 0.0)
-    if strongest is not None:
-        g = g.at[0, 77, :, 5].set(strongest)
+    for row, value in strong:
+        g = g.at[0, row, :, 5].set(value)
     return (*args[:5], g, args[6]), do, dh
 
 
@@ -186,8 +224,8 @@ def test_each_grid_step_runs_the_copy_its_decays_allow(regime, monkeypatch):
     (a NaN planted in that copy reaches o and the gradients; one planted in another copy does
     not), and the unplanted call matches the token-serial reference (the kit's float32 bounds:
     three-pass products, docs/algorithm.md section 10)."""
-    strongest, block = REGIMES[regime]
-    args, do, dh = _regime_inputs(strongest)
+    strong, block = REGIMES[regime]
+    args, do, dh = _regime_inputs(strong)
     o, h, grads = _call(args, do, dh)
     o_ref, h_ref, grads_ref = reference_value_and_grad(args, do, dh)
     assert rel_err(o, o_ref) <= TOL["float32"]["o"]
@@ -202,3 +240,77 @@ def test_each_grid_step_runs_the_copy_its_decays_allow(regime, monkeypatch):
         assert bool(jnp.isnan(grads_p[0]).any()) is ran, planted  # dq: the backward's copy too
         if not ran:  # the copy that ran is the one of the unplanted call
             np.testing.assert_array_equal(np.asarray(o_p), np.asarray(o))
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("training", [False, True])
+def test_the_rule_outside_the_kernels_names_the_copy_they_ran(regime, training):
+    """gdn2_pallas_tpu.merged_steps (``python -m gdn2_tools.merged_steps``) on the inputs whose
+    copy :func:`test_each_grid_step_runs_the_copy_its_decays_allow` saw the kernels run."""
+    from gdn2_pallas_tpu.merged_steps import step_blocks
+
+    strong, block = REGIMES[regime]
+    (*_, g, _), _, _ = _regime_inputs(strong)
+    plan = _plan(training=training)
+    assert plan.grid() == (1, 1, 1)  # one step: the call's copy is the step's
+    np.testing.assert_array_equal(step_blocks(g, plan), np.full((1, 1, 1), block))
+    with pytest.raises(ValueError, match=r"g: expected shape \(1, 150, 2, 64\)"):
+        step_blocks(g[:, :100], plan)
+    with pytest.raises(ValueError, match="plan: expected one without a fused gate"):
+        step_blocks(g, _plan(activations=Activations(gate=GateMode.SOFTPLUS)))
+
+
+#: Raw decay inputs of the fused softplus gate (``exp(A_log) = 1``, ``dt_bias = 0``: ``g =
+#: -softplus(raw)``), each letting one copy of the (one) grid step run: raw in [-3, 1] (``|g| <=
+#: 1.32``) with, on channel 5 of every head, one token at 30 (at most 30 + 7 * 1.32 over 8 rows),
+#: two at 33 four rows apart (66 over 8 rows, at most 33 + 3 * 1.32 over 4), or one at 70.
+GATE_REGIMES = {
+    "blocks-16": (((77, 30.0),), 16),
+    "blocks-8": (((77, 33.0), (81, 33.0)), 8),
+    "levels": (((77, 70.0),), 1),
+}
+
+
+@pytest.mark.parametrize("regime", list(GATE_REGIMES))
+def test_the_softplus_gate_runs_the_copy_its_activated_decays_allow(regime, monkeypatch):
+    """With the decay gate fused (``use_gate_in_kernel``), the step's copy follows the bound on
+    the activated decays (activations.softplus_decay_bound): a NaN planted in that copy reaches
+    o and dq, one planted in another does not; the unplanted call matches the token-serial
+    reference's outputs and nine gradients (A_log and dt_bias included) within the kit's float32
+    bounds."""
+    strong, block = GATE_REGIMES[regime]
+    args, h0, _, (do, dh) = _inputs(seed=7)
+    raw = args[5].at[...].set(jnp.clip(args[5], -3.0, 1.0))
+    for row, value in strong:
+        raw = raw.at[0, row, :, 5].set(value)
+    params = (jnp.zeros((H,)), jnp.zeros((H, DK)))
+    inputs = (*args[:5], raw, h0, *params)
+    (_, (o, h)), grads = _loss(_pallas(KernelConfig(interpret=True)), None, do, dh)(*inputs)
+    with jax.default_matmul_precision("highest"):
+        (_, (o_ref, h_ref)), grads_ref = _loss(_reference, None, do, dh)(*inputs)
+    assert rel_err(o, o_ref) <= TOL_OUT and rel_err(h, h_ref) <= TOL_OUT
+    for gx, gr in zip(grads, grads_ref, strict=True):
+        assert rel_err(gx, gr) <= TOL_GRAD
+    for planted in (16, 8):
+        monkeypatch.setattr(cm, "merged_levels", _poisoned(planted))
+        fn = _loss(_pallas(KernelConfig(interpret=True)), None, do, dh)
+        (_, (o_p, _)), grads_p = fn(*inputs)
+        assert bool(jnp.isnan(o_p).any()) is (planted == block), planted
+        assert bool(jnp.isnan(grads_p[0]).any()) is (planted == block), planted  # dq: backward
+
+
+def test_the_softplus_bound_is_never_below_the_activated_decays():
+    """activations.softplus_decay_bound against the units' largest activated ``|g|`` per row
+    and channel, on rates and biases that differ by unit (the bound takes the largest of each)."""
+    rng = np.random.default_rng(3)
+    U, C, K = 6, 16, 128
+    raw = jnp.asarray(rng.normal(0.0, 4.0, (U, C, K)), jnp.float32)
+    params = jnp.asarray(
+        np.concatenate([rng.uniform(0.5, 16.0, (U, 1, K)), rng.normal(0.0, 2.0, (U, 1, K))], 1),
+        jnp.float32,
+    )  # [U, 2, K]: exp(A_log), dt_bias
+    g = -params[:, :1] * jax.nn.softplus(raw + params[:, 1:])  # [U, C, K] activated
+    bound = act.softplus_decay_bound(raw, params)  # [1, C, K]
+    exact = jnp.max(jnp.abs(g), axis=0, keepdims=True)
+    assert bool(jnp.all(bound >= exact * (1 - 1e-6)))
+    assert float(jnp.max(bound / exact)) > 1.5  # a bound, not the maximum itself

@@ -41,7 +41,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdn2_pallas_tpu.chunk_math import G_FLOOR, ZERO, iota
+from gdn2_pallas_tpu.chunk_math import (
+    G_FLOOR,
+    ZERO,
+    clamp_log_decay,
+    decay_row_bound,
+    iota,
+    units_max,
+)
 from gdn2core.plugin import Activations
 
 F32 = jnp.float32
@@ -149,6 +156,25 @@ def _activated(q, k, b, w, g, a, dt, act, eps: float) -> Activated:
         z = g + dt  # [..., K]
         g = -a * _softplus(z) if act.gate == "softplus" else act.lower_bound * _sigmoid(a * z)
     return Activated(q, k, b, w, g, q_r, k_r)
+
+
+def softplus_decay_bound(g_raw: jax.Array, gate_params: jax.Array) -> jax.Array:
+    """[1, C, K]: a bound on the units' largest ``|g|`` of each row and channel under the softplus
+    gate, for chunk_math.by_decay_bound, without activating every unit: ``|g| = a softplus(z)``
+    with ``a > 0`` and softplus increasing, so ``(max a) softplus(max z)`` over the units bounds
+    it. ``g_raw`` [U, C, K], ``gate_params`` [U, 2, K] (:func:`activate`'s); the padding rows of
+    the last step (``g = 0`` once activated) are bounded as tokens, which only raises it."""
+    a, dt, _ = _rate(gate_params)  # [U, 1, K]
+    return units_max(a) * _softplus(units_max(g_raw + dt))  # [1, C, K]
+
+
+def step_decay_bound(g: jax.Array, gate_params: jax.Array | None, plan) -> jax.Array:
+    """[1, C, K]: the bound by which a grid step picks its copy (chunk_math.by_decay_bound),
+    from its ``g`` [U, C, K] as loaded: with the softplus gate the raw one and ``gate_params``
+    [U, 2, K] (:func:`softplus_decay_bound`), else the log decay itself, clamped."""
+    if plan.gate:
+        return softplus_decay_bound(g, gate_params)
+    return decay_row_bound(clamp_log_decay(g))
 
 
 def raw_gradients(x: Activated, raw_g, gate_params, act, valid, dq, dk, db, dw, dg):

@@ -329,25 +329,74 @@ def decay_levels(
     return levels
 
 
-def mergeable(g: jax.Array, block: int) -> jax.Array:
-    """Whether every log decay of ``g`` (any shape, clamped) lets the levels inside aligned
-    ``block``-row blocks merge (:func:`merged_levels`): ``|g| * block / 2 <= MERGED_EXPONENT``,
-    so that no factor relative to a block's middle row leaves ``[exp(-64), exp(64)]``. A scalar
-    bool; False when ``g`` holds a NaN (the levels then carry it, as they always did)."""
-    return jnp.max(jnp.abs(g)) * np.float32(block // 2) <= np.float32(MERGED_EXPONENT)
+def units_max(x: jax.Array) -> jax.Array:
+    """The elementwise maximum over the units of ``x`` [U, ...]: ``[1, ...]``, by a tree of
+    ``jnp.maximum`` (elementwise, so a NaN carries on every backend)."""
+    parts = [x[u : u + 1] for u in range(x.shape[0])]  # U x [1, ...]
+    while len(parts) > 1:
+        pairs = [jnp.maximum(a, b) for a, b in zip(parts[::2], parts[1::2], strict=False)]
+        parts = pairs + parts[len(pairs) * 2 :]
+    return parts[0]
 
 
-def by_decay_bound(g: jax.Array, blocks: tuple[int, ...], step: Callable[[int], None]) -> None:
-    """Runs ``step(block)`` for the first of ``blocks`` (largest first) that the grid step's
-    clamped log decays ``g`` let merge (:func:`mergeable`), else ``step(1)`` (the levels).
+def decay_row_bound(g: jax.Array) -> jax.Array:
+    """[1, C, K]: the units' largest ``|g|`` of each row and channel (``g`` [U, C, K] clamped),
+    the bound :func:`window_maxima` sums."""
+    return units_max(jnp.abs(g))
+
+
+def window_maxima(
+    bound: jax.Array,
+    widths: tuple[int, ...],
+    roll: Callable[[jax.Array, int], jax.Array] = roll_rows,
+) -> dict[int, jax.Array]:
+    """For each of ``widths`` (powers of two, at most ``C``): a bound on the largest sum of
+    ``|g|`` over that many consecutive rows of a unit, on any channel, as a float32 scalar,
+    from ``bound`` [1, C, K], a bound on every unit's ``|g|`` at each row and channel
+    (:func:`decay_row_bound`, or a fused gate's, activations.py): one [C, K] array for all the
+    units (1 / U of the work of every unit's own sums). Sums by doubling (a sublane roll and an
+    add per doubling); a window wraps around the rows, which only adds terms. Infinite when
+    ``bound`` holds a NaN, which becomes infinite first (whether a reduction's maximum carries
+    a NaN differs by backend: XLA on a CPU drops it). ``roll``: :func:`roll_rows` in a kernel
+    (merged_steps.py applies the same rule outside one)."""
+    sums = jnp.where(bound == bound, bound, np.float32(np.inf))  # [1, C, K] windows of 1 row
+    width, out = 1, {}  # sums: [1, C, K] the windows of `width` rows ending at each row
+    while True:
+        if width in widths:
+            out[width] = jnp.max(sums)
+        if width >= max(widths):
+            return out
+        sums = sums + roll(sums, width)
+        width *= 2
+
+
+def mergeable(window_max: jax.Array) -> jax.Array:
+    """Whether the levels inside aligned ``block``-row blocks merge (:func:`merged_levels`),
+    given ``window_max``, a bound on the largest sum of ``|g|`` over ``block / 2`` consecutive
+    rows of a unit (:func:`window_maxima`): at most :data:`MERGED_EXPONENT`.
+
+    A merged factor's exponent is ``Γ_r - Γ_p`` (or its negative), ``p`` the reference row of
+    ``r``'s block: the sum of ``|g|`` over the rows after the earlier of the two up to the later,
+    at most ``block / 2`` consecutive rows of the block. So no factor leaves
+    ``[exp(-64), exp(64)]``. A scalar bool; False where ``g`` holds a NaN (the levels then
+    carry it, as they always did)."""
+    return window_max <= np.float32(MERGED_EXPONENT)
+
+
+def by_decay_bound(bound: jax.Array, blocks: tuple[int, ...], step: Callable[[int], None]) -> None:
+    """Runs ``step(block)`` for the first of ``blocks`` (largest first) whose levels the grid
+    step's log decays let merge (:func:`mergeable`, by ``bound`` [1, C, K], the units' largest
+    ``|g|`` of each row and channel or a bound on it: :func:`window_maxima`), else ``step(1)``
+    (the levels).
 
     Each is a whole copy of the step under its own ``pl.when``, exactly one of which runs: a
     branch around the scores alone would cut the step's schedule in three regions that cannot
     overlap (static estimate, forward kernel at B = 1, T = 1024, H = 6, v5e: 61,525 cycles with
     the merged branch, against 54,165 for the levels alone and 46,638 with whole copies)."""
+    maxima = window_maxima(bound, tuple(block // 2 for block in blocks))
     taken = None  # a larger block's condition, which implies every smaller one's
     for block in (*blocks, 1):
-        here = jnp.bool_(True) if block == 1 else mergeable(g, block)
+        here = jnp.bool_(True) if block == 1 else mergeable(maxima[block // 2])
         if taken is not None:
             here = jnp.logical_and(here, jnp.logical_not(taken))
         pl.when(here)(lambda block=block: step(block))

@@ -86,8 +86,13 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
         _step(r, plan, plan.merged_block)
         return
     io = blocks.TokenIO(plan, blocks.reverse_step(plan.n_steps))
-    g = cm.clamp_log_decay(blocks.load_gate(r.g, io, plan.dk, "g"))  # [U, C, K]
-    cm.by_decay_bound(g, plan.runtime_merged_blocks, lambda merged: _step(r, plan, merged))
+    g = blocks.load_gate(r.g, io, plan.dk, "g")  # [U, C, K] as given (raw with a gate)
+    gp = None if r.gate_params is None else blocks.load_gate_params(r.gate_params, plan)
+    cm.by_decay_bound(
+        act.step_decay_bound(g, gp, plan),
+        plan.runtime_merged_blocks,
+        lambda merged: _step(r, plan, merged),
+    )
 
 
 def _step(r: BackwardRefs, plan: Plan, merged: int):

@@ -101,8 +101,13 @@ def _forward_kernel(r: ForwardRefs, *, plan: Plan, save: bool):
             _step(r, plan, save, None, plan.merged_block)
             return
         io = blocks.TokenIO(plan, blocks.forward_step)
-        g = cm.clamp_log_decay(blocks.load_gate(r.g, io, plan.dk, "g"))  # [U, C, K]
-        cm.by_decay_bound(g, plan.runtime_merged_blocks, lambda m: _step(r, plan, save, None, m))
+        g = blocks.load_gate(r.g, io, plan.dk, "g")  # [U, C, K] as given (raw with a gate)
+        gp = None if r.gate_params is None else blocks.load_gate_params(r.gate_params, plan)
+        cm.by_decay_bound(
+            act.step_decay_bound(g, gp, plan),
+            plan.runtime_merged_blocks,
+            lambda m: _step(r, plan, save, None, m),
+        )
         return
     # Two copies of the step: one rolls the chunks' rows (a window clamped near an end of the
     # flat tokens, flat_tokens.py), the other, nearly every step, has no roll at all.

@@ -84,8 +84,9 @@ MAX_STEP_ROWS_DEEP_MXU: Final = 48 * 64
 #: in the score backward before the small factor brings them back.
 MERGED_EXPONENT: Final = 64.0
 #: The blocks whose levels a grid step merges when its own log decays allow it
-#: (:attr:`Plan.runtime_merged_blocks`), largest first: 16 rows when every ``|g| <= 8`` in the
-#: step, 8 rows when every ``|g| <= 16`` (``|g| * block / 2 <= MERGED_EXPONENT``).
+#: (:attr:`Plan.runtime_merged_blocks`), largest first: 16 rows when every 8 consecutive log
+#: decays of a chunk (on each channel) sum to at least ``-MERGED_EXPONENT``, 8 rows when every 4
+#: do (chunk_math.mergeable).
 RUNTIME_MERGED_BLOCKS: Final = (16, 8)
 #: Chunks per grid step at most (the sequential state pass is nc steps long).
 MAX_CHUNKS_PER_STEP: Final = 8
@@ -347,14 +348,16 @@ class Plan:
 
     @property
     def runtime_merged_blocks(self) -> tuple[int, ...]:
-        """The blocks whose levels a grid step merges when every log decay of the step allows
-        it (chunk_math.by_decay_bound: one copy of the step per block, and one with the levels;
-        the step's ``max |g|`` picks the copy), largest first; ``()`` where a call has one
-        blocking: a bounded gate (:attr:`merged_block`, fixed by its bound), packed sequences by
-        ``segment_ids`` (a block's middle row may lie in another sequence), a scalar decay (no
-        levels), a fused gate (``g`` is activated inside the step) and a ragged call's pooled
-        forward."""
-        if self.merged_block > 1 or self.segments or self.scalar_decay or self.gate or self.pooled:
+        """The blocks whose levels a grid step merges when the step's log decays allow it
+        (chunk_math.by_decay_bound: one copy of the step per block, and one with the levels; a
+        bound on the step's largest sum of ``|g|`` over ``block / 2`` consecutive rows picks the
+        copy; under the softplus gate, a bound on the activated ``g``, activations.py), largest
+        first; ``()`` where a call has one blocking: a bounded gate (:attr:`merged_block`, fixed
+        by its bound, or too weak a bound to merge), packed sequences by ``segment_ids`` (a
+        block's middle row may lie in another sequence), a scalar decay (no levels) and a ragged
+        call's pooled forward."""
+        fixed = self.merged_block > 1 or self.segments or self.scalar_decay or self.pooled
+        if fixed or (self.gate and self.activations.gate != "softplus"):
             return ()
         return tuple(block for block in RUNTIME_MERGED_BLOCKS if block <= self.C)
 
