@@ -148,11 +148,11 @@ def test_a_block_merges_while_its_factors_stay_within_exp_64():
     chunk_math.window_maxima): exactly at the bound it merges, just above it does not, a NaN
     never does."""
 
-    def merges(g, block):  # in a kernel (TPU interpret mode): the windows roll on sublanes
+    def merges(g, block, nc=1):  # in a kernel (TPU interpret mode): the windows roll on sublanes
         width = block // 2
 
         def kernel(g_ref, out_ref):
-            bound = cm.decay_row_bound(g_ref[...])  # [1, C, K]
+            bound = cm.decay_row_bound(g_ref[...], nc)  # [nc, C, K]
             out_ref[...] = jnp.full(out_ref.shape, cm.window_maxima(bound, (width,))[width])
 
         out = jax.ShapeDtypeStruct((8, 128), jnp.float32)
@@ -169,15 +169,16 @@ def test_a_block_merges_while_its_factors_stay_within_exp_64():
     one = one.at[1, 5, 7].set(-63.0)
     assert not merges(one, 16) and merges(one, 8)  # 64.75 over 8 rows, 63.75 over 4
     assert not merges(g.at[0, 0, 0].set(np.nan), 8)
-    # The bound sums the units' largest |g| row by row, and its windows wrap around the rows:
-    # strong decays of two units at neighbouring rows, or at a unit's first and last, add up.
+    # The bound sums the heads' largest |g| of each chunk row by row (units head * nc + chunk),
+    # and its windows wrap around the rows: strong decays of two heads at neighbouring rows of a
+    # chunk, or at its first and last row, add up; in two chunks they do not.
     alone = jnp.full((2, 16, 128), -0.25).at[0, 3, 0].set(-40.0)
     assert merges(alone, 8)
-    assert not merges(alone.at[1, 4, 0].set(-40.0), 8)
+    assert not merges(alone.at[1, 4, 0].set(-40.0), 8)  # two heads of one chunk
+    assert merges(alone.at[1, 4, 0].set(-40.0), 8, nc=2)  # one head's two chunks
     assert merges(alone.at[1, 4, 1].set(-40.0), 8)  # another channel: its own windows
-    assert not merges(
-        alone.at[0, 3, 0].set(-0.25).at[0, 0, 0].set(-40.0).at[1, 15, 0].set(-40.0), 8
-    )
+    wrap = alone.at[0, 3, 0].set(-0.25).at[0, 0, 0].set(-40.0).at[1, 15, 0].set(-40.0)
+    assert not merges(wrap, 8)
 
 
 #: Log decays of a whole call (one grid step), each letting one copy of the step run: the mild
@@ -300,17 +301,19 @@ def test_the_softplus_gate_runs_the_copy_its_activated_decays_allow(regime, monk
 
 
 def test_the_softplus_bound_is_never_below_the_activated_decays():
-    """activations.softplus_decay_bound against the units' largest activated ``|g|`` per row
-    and channel, on rates and biases that differ by unit (the bound takes the largest of each)."""
+    """activations.softplus_decay_bound against the heads' largest activated ``|g|`` per chunk,
+    row and channel (3 heads of 2 chunks, units ``head * nc + chunk``), on rates and biases that
+    differ by unit (the bound takes the largest of each)."""
     rng = np.random.default_rng(3)
-    U, C, K = 6, 16, 128
+    U, nc, C, K = 6, 2, 16, 128
     raw = jnp.asarray(rng.normal(0.0, 4.0, (U, C, K)), jnp.float32)
     params = jnp.asarray(
         np.concatenate([rng.uniform(0.5, 16.0, (U, 1, K)), rng.normal(0.0, 2.0, (U, 1, K))], 1),
         jnp.float32,
     )  # [U, 2, K]: exp(A_log), dt_bias
     g = -params[:, :1] * jax.nn.softplus(raw + params[:, 1:])  # [U, C, K] activated
-    bound = act.softplus_decay_bound(raw, params)  # [1, C, K]
-    exact = jnp.max(jnp.abs(g), axis=0, keepdims=True)
+    bound = act.softplus_decay_bound(raw, params, nc)  # [nc, C, K]
+    exact = jnp.max(jnp.abs(g).reshape(U // nc, nc, C, K), axis=0)  # [nc, C, K]
+    assert bound.shape == (nc, C, K)
     assert bool(jnp.all(bound >= exact * (1 - 1e-6)))
     assert float(jnp.max(bound / exact)) > 1.5  # a bound, not the maximum itself

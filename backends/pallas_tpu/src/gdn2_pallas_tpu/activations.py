@@ -46,8 +46,8 @@ from gdn2_pallas_tpu.chunk_math import (
     ZERO,
     clamp_log_decay,
     decay_row_bound,
+    heads_max,
     iota,
-    units_max,
 )
 from gdn2core.plugin import Activations
 
@@ -158,23 +158,24 @@ def _activated(q, k, b, w, g, a, dt, act, eps: float) -> Activated:
     return Activated(q, k, b, w, g, q_r, k_r)
 
 
-def softplus_decay_bound(g_raw: jax.Array, gate_params: jax.Array) -> jax.Array:
-    """[1, C, K]: a bound on the units' largest ``|g|`` of each row and channel under the softplus
-    gate, for chunk_math.by_decay_bound, without activating every unit: ``|g| = a softplus(z)``
-    with ``a > 0`` and softplus increasing, so ``(max a) softplus(max z)`` over the units bounds
-    it. ``g_raw`` [U, C, K], ``gate_params`` [U, 2, K] (:func:`activate`'s); the padding rows of
-    the last step (``g = 0`` once activated) are bounded as tokens, which only raises it."""
+def softplus_decay_bound(g_raw: jax.Array, gate_params: jax.Array, nc: int) -> jax.Array:
+    """[nc, C, K]: a bound on the heads' largest ``|g|`` of each chunk, row and channel under
+    the softplus gate, for chunk_math.by_decay_bound, without activating every unit: ``|g| = a
+    softplus(z)`` with ``a > 0`` and softplus increasing, so ``(max a) softplus(max z)`` over the
+    heads bounds it. ``g_raw`` [U, C, K], ``gate_params`` [U, 2, K] (:func:`activate`'s; units
+    ``head * nc + chunk``); the padding rows of the last step (``g = 0`` once activated) are
+    bounded as tokens, which only raises it."""
     a, dt, _ = _rate(gate_params)  # [U, 1, K]
-    return units_max(a) * _softplus(units_max(g_raw + dt))  # [1, C, K]
+    return heads_max(a, nc) * _softplus(heads_max(g_raw + dt, nc))  # [nc, C, K]
 
 
 def step_decay_bound(g: jax.Array, gate_params: jax.Array | None, plan) -> jax.Array:
-    """[1, C, K]: the bound by which a grid step picks its copy (chunk_math.by_decay_bound),
+    """[nc, C, K]: the bound by which a grid step picks its copy (chunk_math.by_decay_bound),
     from its ``g`` [U, C, K] as loaded: with the softplus gate the raw one and ``gate_params``
     [U, 2, K] (:func:`softplus_decay_bound`), else the log decay itself, clamped."""
     if plan.gate:
-        return softplus_decay_bound(g, gate_params)
-    return decay_row_bound(clamp_log_decay(g))
+        return softplus_decay_bound(g, gate_params, plan.nc)
+    return decay_row_bound(clamp_log_decay(g), plan.nc)
 
 
 def raw_gradients(x: Activated, raw_g, gate_params, act, valid, dq, dk, db, dw, dg):

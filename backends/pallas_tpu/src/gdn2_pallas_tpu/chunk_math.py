@@ -329,20 +329,21 @@ def decay_levels(
     return levels
 
 
-def units_max(x: jax.Array) -> jax.Array:
-    """The elementwise maximum over the units of ``x`` [U, ...]: ``[1, ...]``, by a tree of
-    ``jnp.maximum`` (elementwise, so a NaN carries on every backend)."""
-    parts = [x[u : u + 1] for u in range(x.shape[0])]  # U x [1, ...]
+def heads_max(x: jax.Array, nc: int) -> jax.Array:
+    """The elementwise maximum over the heads of units ``x`` [U, ...] (unit ``head * nc +
+    chunk``): ``[nc, ...]``, one per chunk of the step, by a tree of ``jnp.maximum``
+    (elementwise, so a NaN carries on every backend)."""
+    parts = [x[h * nc : (h + 1) * nc] for h in range(x.shape[0] // nc)]  # heads x [nc, ...]
     while len(parts) > 1:
         pairs = [jnp.maximum(a, b) for a, b in zip(parts[::2], parts[1::2], strict=False)]
         parts = pairs + parts[len(pairs) * 2 :]
     return parts[0]
 
 
-def decay_row_bound(g: jax.Array) -> jax.Array:
-    """[1, C, K]: the units' largest ``|g|`` of each row and channel (``g`` [U, C, K] clamped),
-    the bound :func:`window_maxima` sums."""
-    return units_max(jnp.abs(g))
+def decay_row_bound(g: jax.Array, nc: int) -> jax.Array:
+    """[nc, C, K]: the heads' largest ``|g|`` of each chunk, row and channel (``g`` [U, C, K]
+    clamped, units ``head * nc + chunk``), the bound :func:`window_maxima` sums."""
+    return heads_max(jnp.abs(g), nc)
 
 
 def window_maxima(
@@ -352,15 +353,16 @@ def window_maxima(
 ) -> dict[int, jax.Array]:
     """For each of ``widths`` (powers of two, at most ``C``): a bound on the largest sum of
     ``|g|`` over that many consecutive rows of a unit, on any channel, as a float32 scalar,
-    from ``bound`` [1, C, K], a bound on every unit's ``|g|`` at each row and channel
-    (:func:`decay_row_bound`, or a fused gate's, activations.py): one [C, K] array for all the
-    units (1 / U of the work of every unit's own sums). Sums by doubling (a sublane roll and an
-    add per doubling); a window wraps around the rows, which only adds terms. Infinite when
-    ``bound`` holds a NaN, which becomes infinite first (whether a reduction's maximum carries
-    a NaN differs by backend: XLA on a CPU drops it). ``roll``: :func:`roll_rows` in a kernel
-    (merged_steps.py applies the same rule outside one)."""
-    sums = jnp.where(bound == bound, bound, np.float32(np.inf))  # [1, C, K] windows of 1 row
-    width, out = 1, {}  # sums: [1, C, K] the windows of `width` rows ending at each row
+    from ``bound`` [nc, C, K], a bound on the ``|g|`` of every head at each chunk, row and
+    channel (:func:`decay_row_bound`, or a fused gate's, activations.py): the heads share their
+    sums (a chunk's windows hold the same tokens in every head, so a strong head bounds them
+    all), the chunks keep their own. Sums by doubling (a sublane roll and an add per doubling);
+    a window wraps around its chunk's rows, which only adds terms. Infinite when ``bound`` holds
+    a NaN, which becomes infinite first (whether a reduction's maximum carries a NaN differs by
+    backend: XLA on a CPU drops it). ``roll``: :func:`roll_rows` in a kernel (merged_steps.py
+    applies the same rule outside one)."""
+    sums = jnp.where(bound == bound, bound, np.float32(np.inf))  # [nc, C, K] windows of 1 row
+    width, out = 1, {}  # sums: [nc, C, K] the windows of `width` rows ending at each row
     while True:
         if width in widths:
             out[width] = jnp.max(sums)
@@ -385,9 +387,9 @@ def mergeable(window_max: jax.Array) -> jax.Array:
 
 def by_decay_bound(bound: jax.Array, blocks: tuple[int, ...], step: Callable[[int], None]) -> None:
     """Runs ``step(block)`` for the first of ``blocks`` (largest first) whose levels the grid
-    step's log decays let merge (:func:`mergeable`, by ``bound`` [1, C, K], the units' largest
-    ``|g|`` of each row and channel or a bound on it: :func:`window_maxima`), else ``step(1)``
-    (the levels).
+    step's log decays let merge (:func:`mergeable`, by ``bound`` [nc, C, K], the heads' largest
+    ``|g|`` of each chunk, row and channel or a bound on it: :func:`window_maxima`), else
+    ``step(1)`` (the levels).
 
     Each is a whole copy of the step under its own ``pl.when``, exactly one of which runs: a
     branch around the scores alone would cut the step's schedule in three regions that cannot

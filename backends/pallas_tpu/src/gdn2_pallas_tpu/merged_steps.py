@@ -43,14 +43,15 @@ def step_blocks(g: Float[Array, "B T H K"], plan: Plan) -> np.ndarray:
     g = cm.clamp_log_decay(jnp.asarray(g, jnp.float32))
     g = jnp.pad(g, ((0, 0), (0, plan.t_pad - plan.seq_len), (0, 0), (0, 0)))
     B, groups, steps = plan.grid()
-    # [B, steps, nc, C, groups, hb, K] -> [B, groups, steps, nc * hb units, C, K]
+    # [B, steps, nc, C, groups, hb, K] -> [B, groups, steps, hb * nc units, C, K] (the kernels'
+    # units: head * nc + chunk)
     units = g.reshape(B, steps, plan.nc, plan.C, groups, plan.hb, plan.dk)
-    units = units.transpose(0, 4, 1, 2, 5, 3, 6).reshape(B, groups, steps, -1, plan.C, plan.dk)
+    units = units.transpose(0, 4, 1, 5, 2, 3, 6).reshape(B, groups, steps, -1, plan.C, plan.dk)
     widths = tuple(block // 2 for block in blocks)
-    roll = functools.partial(jnp.roll, axis=1)  # roll_rows' rule on a [U, C, K] array
+    roll = functools.partial(jnp.roll, axis=1)  # roll_rows' rule on an [nc, C, K] array
 
     def step_maxima(step_units):  # [U, C, K] -> {width: scalar}, as by_decay_bound
-        return cm.window_maxima(cm.decay_row_bound(step_units), widths, roll)
+        return cm.window_maxima(cm.decay_row_bound(step_units, plan.nc), widths, roll)
 
     maxima = jax.vmap(jax.vmap(jax.vmap(step_maxima)))(units)
     chosen = np.ones(plan.grid(), np.int32)
