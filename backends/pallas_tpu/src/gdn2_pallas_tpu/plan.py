@@ -86,7 +86,7 @@ MERGED_EXPONENT: Final = 64.0
 #: The blocks whose levels a grid step merges when its own log decays allow it
 #: (:attr:`Plan.runtime_merged_blocks`), largest first: 16 rows when every 8 consecutive log
 #: decays of a chunk (on each channel) sum to at least ``-MERGED_EXPONENT``, 8 rows when every 4
-#: do (chunk_math.mergeable).
+#: do (checked on a bound over the step's heads: chunk_math.window_maxima, mergeable).
 RUNTIME_MERGED_BLOCKS: Final = (16, 8)
 #: Chunks per grid step at most (the sequential state pass is nc steps long).
 MAX_CHUNKS_PER_STEP: Final = 8
