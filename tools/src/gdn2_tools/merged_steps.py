@@ -16,14 +16,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-import jax
 import numpy as np
 
 from gdn2_conformance import Decay
 from gdn2_tools.bench.inputs import make_inputs
 from gdn2_tools.bench.shapes import BenchShape, parse_shape
 from gdn2_tools.chips import CHIPS
-from gdn2_tools.tpu import topology_mesh
+from gdn2_tools.tpu_report import planned_for
 
 COPIES = {16: "16-row blocks", 8: "8-row blocks", 1: "levels"}
 
@@ -48,9 +47,8 @@ def copies(shape: BenchShape, decay: Decay, tpu: str, seed: int = 0) -> dict[str
     xs, _, _ = make_inputs(shape, "float32", seed, decay)
     spec = OpSpec.from_inputs(*xs, None, None)
     out = {}
-    mesh = topology_mesh(CHIPS[tpu].topology)  # the plans read the chip's VMEM, MXU and cores
     for name, training in (("forward", False), ("training", True)):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        with planned_for(tpu):  # the plans read the chip's VMEM, MXU and cores
             plan = make_plan(spec, KernelConfig(), training=training)
         blocks = step_blocks(xs[5], plan)
         out[name] = {b: int(np.sum(blocks == b)) for b in COPIES}

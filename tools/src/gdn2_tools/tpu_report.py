@@ -170,7 +170,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def _planned_for(tpu: str) -> contextlib.AbstractContextManager:
+def planned_for(tpu: str) -> contextlib.AbstractContextManager:
     """A context in which a backend plans for the chip ``tpu`` (its VMEM, its TensorCores per
     device): the abstract mesh of its topology, as a traced call sees on that chip. Without
     libtpu (``--no-compile`` runs without it) none: the plans are then the host's."""
@@ -235,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"backend {name}; shape B={B} T={T} H={H} dk={K} dv={V} {args.dtype}; target {args.tpu} "
         f"({TOPOLOGIES[args.tpu]}); config {config!r}"
     )
-    with _planned_for(args.tpu):  # the backend's plans see the target's VMEM and cores
+    with planned_for(args.tpu):  # the backend's plans see the target's VMEM and cores
         answer = judge(backend, spec, config, trainable=True, auto=False, platform="tpu")
         rows = [
             r
