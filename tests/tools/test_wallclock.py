@@ -53,3 +53,22 @@ def test_the_decay_named_is_the_one_the_inputs_draw():
     model = make_inputs(shape, "float32")[0][5]
     assert float(weak.min()) > -1e-3 and float(weak.max()) < 0
     assert float(model.min()) < -0.1
+
+
+def test_trace_gives_each_op_its_time_per_call(tmp_path):
+    # On a CPU the trace's ops are the host's XLA threads: the jitted forward's fusions, each with
+    # a positive time per call, summing to less than the call's wall clock (the gaps between ops).
+    out = tmp_path / "times.jsonl"
+    options = ["--shape", "1,64,2,16", "--repeats", "2", "--trace", "3", "--out", str(out)]
+    assert wallclock.main(["jax_ref:float32:forward", *options]) == 0
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["op_ms"], row.get("trace_lines")
+    assert all(ms > 0 for ms in row["op_ms"].values())
+    assert sum(row["op_ms"].values()) < 3 * row["median_ms"]
+    assert list(row["op_ms"].values()) == sorted(row["op_ms"].values(), reverse=True)
+
+
+def test_a_negative_trace_count_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        wallclock.main(["jax_ref:float32:forward", "--trace", "-1"])
+    assert "--trace: expected a count >= 0, got -1" in capsys.readouterr().err

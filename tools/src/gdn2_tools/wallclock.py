@@ -18,6 +18,11 @@ median of ``--repeats`` blocking calls (:mod:`gdn2_tools.bench.timing`). Each ro
   outputs and gradients from the first row of the same dtype and program, a cross-check only.
   Correctness on the device is the conformance suite's (``gdn2 conformance NAME``); ``gdn2 bench``
   is the gated benchmark.
+
+With ``--trace N``, N more calls run under a profiler trace and the row gets ``op_ms``: each op's
+measured milliseconds per call on the device (:mod:`gdn2_tools.op_times`; a Pallas kernel is its
+custom call, ``gdn2_fwd.1`` ...), beside the compiler's per-kernel estimate of
+``gdn2 tpu-report --estimate``.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from gdn2_tools.bench.programs import programs_for
 from gdn2_tools.bench.shapes import BenchShape, parse_shape
 from gdn2_tools.bench.timing import compile_program, run_once, time_repeats
 from gdn2_tools.hlo import mosaic_kernels
+from gdn2_tools.op_times import op_times
 
 PROGRAMS: Final = ("forward", "train")
 
@@ -66,8 +72,11 @@ class Spec:
         return f"{self.backend}:{self.dtype}:{self.program}"
 
 
-def _run(spec: Spec, shape: BenchShape, repeats: int, decay: Decay) -> tuple[dict[str, Any], Any]:
-    """Compile, warm up and time one row; its record and its outputs."""
+def _run(
+    spec: Spec, shape: BenchShape, repeats: int, decay: Decay, trace: int = 0
+) -> tuple[dict[str, Any], Any]:
+    """Compile, warm up and time one row (and with ``trace``, that many calls traced); its record
+    and its outputs."""
     xs, h0, cts = make_inputs(shape, spec.dtype, decay=decay)
     programs = programs_for(spec.backend)
     if spec.program == "forward":
@@ -91,17 +100,26 @@ def _run(spec: Spec, shape: BenchShape, repeats: int, decay: Decay) -> tuple[dic
         "kernels": len(mosaic_kernels(compiled.as_text() or "")),
         "finite": bool(all(np.isfinite(a).all() for a in leaves)),
     }
+    if trace:
+        ops = op_times(compiled, args, trace)
+        record["op_ms"] = {name: round(ms, 4) for name, ms in ops.ms.items()}
+        if not ops.ms:  # a trace laid out otherwise: what it held
+            record["trace_lines"] = list(ops.lines)
     return record, leaves
 
 
 def measure(
-    specs: Sequence[Spec], shape: BenchShape, repeats: int, decay: Decay = Decay.MODEL
+    specs: Sequence[Spec],
+    shape: BenchShape,
+    repeats: int,
+    decay: Decay = Decay.MODEL,
+    trace: int = 0,
 ) -> Iterator[dict[str, Any]]:
     """One record per spec, in order, each as soon as it is measured (the fields: the module
     docstring)."""
     first: dict[tuple[str, str], tuple[str, list[np.ndarray]]] = {}
     for spec in specs:
-        record, leaves = _run(spec, shape, repeats, decay)
+        record, leaves = _run(spec, shape, repeats, decay, trace)
         key = (spec.dtype, spec.program)
         if key in first:
             name, ref = first[key]
@@ -125,14 +143,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=Decay.MODEL.value,
         help="the inputs' log decays (the conformance kit's distributions; default: model)",
     )
+    parser.add_argument(
+        "--trace",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run N calls under a profiler trace: each op's measured ms per call (op_ms)",
+    )
     parser.add_argument("--out", help="append one JSON line per row to this file")
     args = parser.parse_args(argv)
+    if args.trace < 0:
+        parser.error(f"--trace: expected a count >= 0, got {args.trace}")
     try:
         specs = [Spec.parse(s) for s in args.specs]
         shape = parse_shape(args.shape)
     except ValueError as e:
         parser.error(str(e))
-    for record in measure(specs, shape, args.repeats, Decay(args.decay)):
+    for record in measure(specs, shape, args.repeats, Decay(args.decay), args.trace):
         line = json.dumps(record)
         print(line, flush=True)
         if args.out:
