@@ -23,6 +23,7 @@ def test_rows_time_each_program_and_cross_check_the_first_of_their_kind(tmp_path
     assert capsys.readouterr().out.count("median_ms") == 3
     for r in rows:
         assert r["median_ms"] > 0 and r["repeats"] == 2 and r["finite"] and r["decay"] == "mixed"
+        assert r["pipelined_ms"] > 0
         assert r["kernels"] == 0  # XLA programs on a CPU: no Mosaic kernel
     # The scan against the chunked jax_ref, both float32 on the same inputs: a chunked sum's
     # rounding (the kit's float32 tolerance is 1e-4); a wrong pairing of rows would be O(1).

@@ -2,11 +2,12 @@
 
 ``op_times(compiled, args, calls)`` runs the program ``calls`` times under ``jax.profiler.trace``
 and reads the trace (``jax.profiler.ProfileData``): on an accelerator, the events of the device
-planes' ``XLA Ops`` lines (one per executed HLO op: a Pallas kernel is its custom call, named as
-in the compiled HLO, e.g. ``gdn2_bwd.1``); on a CPU, the XLA execute threads of the host plane.
-Each op's summed durations divided by ``calls``: milliseconds per call. A measurement of the
-device at hand, not an estimate; the sum over ops is below the call's wall clock by the gaps
-between them.
+planes' ``XLA Ops`` lines (one per executed HLO op, named by the op's HLO text: kept here as its name, a Pallas kernel
+its custom call's, e.g. ``gdn2_bwd.1``) and of their ``XLA Modules`` lines (one per executed
+program); on a CPU, the XLA execute threads of the host plane. Summed durations divided by
+``calls``: milliseconds per call. A measurement of the device at hand, not an estimate; the ops'
+sum is below the module's time by the device's gaps between ops, and that below the call's wall
+clock by what the host adds (dispatch, the wait for the result).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import jax
 
 #: The device planes' line of executed HLO ops (TPU and GPU traces).
 OPS_LINE: Final = "XLA Ops"
+#: The device planes' line of executed programs.
+MODULES_LINE: Final = "XLA Modules"
 #: The host plane's XLA threads (a CPU trace's ops).
 HOST_OPS_PREFIX: Final = "tf_XLAExecute"
 
@@ -35,11 +38,19 @@ def _is_op(name: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class OpTimes:
-    """``ms``: op name -> milliseconds per call, largest first; ``lines``: every plane's lines
-    seen, ``plane/line``, so that a trace laid out otherwise shows what it held."""
+    """``ms``: op name -> milliseconds per call, largest first; ``module_ms``: the device's
+    programs per call (None without device planes); ``lines``: every plane's lines seen,
+    ``plane/line``, so that a trace laid out otherwise shows what it held."""
 
     ms: dict[str, float]
+    module_ms: float | None
     lines: tuple[str, ...]
+
+
+def op_name(event: str) -> str:
+    """An op's name from its event's: a TPU trace names an op by its HLO text (``%gdn2_bwd.1 =
+    (bf16[...]) custom-call(...)``), a CPU trace by its name."""
+    return event.split(" = ", 1)[0].lstrip("%")
 
 
 def _is_op_line(plane: str, line: str) -> bool:
@@ -59,18 +70,22 @@ def from_profile(profile: Any, calls: int) -> OpTimes:
         for name, lines in planes
     )
     totals: collections.Counter[str] = collections.Counter()
+    module_ns = None
     for plane, lines in planes:
         if on_device and not plane.startswith("/device:"):
             continue
         for line, events in lines:
+            if on_device and line == MODULES_LINE:
+                module_ns = (module_ns or 0.0) + sum(e.duration_ns for e in events)
             if not _is_op_line(plane, line):
                 continue
             for e in events:
                 if _is_op(e.name):
-                    totals[e.name] += e.duration_ns
+                    totals[op_name(e.name)] += e.duration_ns
     ms = {name: ns / 1e6 / calls for name, ns in totals.most_common()}
     seen = tuple(f"{plane}/{line}" for plane, lines in planes for line, _ in lines)
-    return OpTimes(ms, seen)
+    module_ms = None if module_ns is None else module_ns / 1e6 / calls
+    return OpTimes(ms, module_ms, seen)
 
 
 def op_times(compiled: Any, args: Sequence[Any], calls: int) -> OpTimes:

@@ -10,7 +10,9 @@ backward of ``gdn2_forward_trainable`` (the bench's fwd+bwd), on the bench's inp
 names another of the kit's distributions: pallas_tpu runs a grid step's merged-levels copy only
 when the step's decays are bounded (``--decay mixed`` or ``weak`` time the 16-row copy, ``model``
 mostly the levels; docs/algorithm.md section 10). Compile is timed apart; one warm-up call, then the
-median of ``--repeats`` blocking calls (:mod:`gdn2_tools.bench.timing`). Each row also gives:
+median of ``--repeats`` blocking calls (:mod:`gdn2_tools.bench.timing`), and ``pipelined_ms``: as
+many calls dispatched back to back with one wait at the end, per call (a training loop's way: the
+host's dispatch and wait overlap the device's work). Each row also gives:
 
 - ``kernels``: the Mosaic kernels (``tpu_custom_call``) in the compiled program: a pallas_tpu row
   that ran in interpret mode, or anything but the kernels, shows 0;
@@ -43,7 +45,7 @@ from gdn2_tools.bench.cli import DTYPES
 from gdn2_tools.bench.inputs import make_inputs
 from gdn2_tools.bench.programs import programs_for
 from gdn2_tools.bench.shapes import BenchShape, parse_shape
-from gdn2_tools.bench.timing import compile_program, run_once, time_repeats
+from gdn2_tools.bench.timing import compile_program, run_once, time_pipelined, time_repeats
 from gdn2_tools.hlo import mosaic_kernels
 from gdn2_tools.op_times import op_times
 
@@ -86,6 +88,7 @@ def _run(
     compiled, compile_s = compile_program(fn, *args)
     outputs = run_once(compiled, *args)
     times = np.asarray(time_repeats(compiled, args, repeats))
+    pipelined = time_pipelined(compiled, args, repeats)
     leaves = [np.asarray(a, np.float32) for a in jax.tree.leaves(outputs)]
     record = {
         "spec": str(spec),
@@ -96,6 +99,7 @@ def _run(
         "compile_s": round(compile_s, 2),
         "median_ms": round(1e3 * float(np.median(times)), 4),
         "min_ms": round(1e3 * float(times.min()), 4),
+        "pipelined_ms": round(1e3 * pipelined, 4),
         "repeats": int(times.size),
         "kernels": len(mosaic_kernels(compiled.as_text() or "")),
         "finite": bool(all(np.isfinite(a).all() for a in leaves)),
@@ -103,6 +107,8 @@ def _run(
     if trace:
         ops = op_times(compiled, args, trace)
         record["op_ms"] = {name: round(ms, 4) for name, ms in ops.ms.items()}
+        if ops.module_ms is not None:
+            record["module_ms"] = round(ops.module_ms, 4)
         if not ops.ms:  # a trace laid out otherwise: what it held
             record["trace_lines"] = list(ops.lines)
     return record, leaves
