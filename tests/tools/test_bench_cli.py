@@ -40,7 +40,10 @@ def test_bench_writes_json_and_markdown(tmp_path, test_backends):
             assert t["repeats"] == 2 and len(t["times_s"]) == 2
             assert t["min_s"] <= t["median_s"] <= t["max_s"]
             assert t["compile_s"] > 0
+            assert t["pipelined_s"] > 0  # the same count of calls back to back, per call
     assert rows["test_reference"]["speedup"]["fwdbwd"]["reference_grad"] > 0
+    pipelined = rows["test_reference"]["modes"]["fwdbwd"]["pipelined_s"] * 1e3
+    assert "| fwd+bwd pipelined ms |" in md and f"| {pipelined:.2f} |" in md
     assert "| B=1 T=16 H=1 dk=8 dv=8 | float32 | test_reference | ok |" in md
     assert (tmp_path / "out" / "bench.png").stat().st_size > 0
 
@@ -181,6 +184,11 @@ def test_include_adds_rows_of_another_report(tmp_path, test_backends):
     rows = json.loads((out / "bench.json").read_text())["rows"]
     assert [r["backend"] for r in rows] == ["test_reference", "peer_impl"]
     assert rows[1]["source"].startswith("peer.json") and rows[1]["modes"]["fwd"]["repeats"] == 2
+    # the included row keeps its pipelined time
+    assert (
+        rows[1]["modes"]["fwdbwd"]["pipelined_s"]
+        == first["rows"][0]["modes"]["fwdbwd"]["pipelined_s"]
+    )
     assert "| peer_impl | ok |" in (out / "bench.md").read_text()
 
 

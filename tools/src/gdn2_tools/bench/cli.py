@@ -143,7 +143,7 @@ def _print_table(results, note: str = "") -> None:
 
     bases = baselines()
     table = Table(title="gdn2 bench (median ms, compile excluded)" + (f"; {note}" if note else ""))
-    for col in ("shape", "dtype", "backend", "status", "fwd", "bwd", "fwd+bwd"):
+    for col in ("shape", "dtype", "backend", "status", "fwd", "bwd", "fwd+bwd", "pipelined"):
         table.add_column(col)
     for b in bases:
         table.add_column(f"x vs {b}")
@@ -151,6 +151,8 @@ def _print_table(results, note: str = "") -> None:
         status = "ok" if r.status == "ok" else f"{r.status}: {r.reason}"[:90]
         cells = [r.shape.label, r.dtype, r.backend, status]
         cells += [f"{r.median(m) * 1e3:.2f}" if r.median(m) else "-" for m in MODES]
+        fb = r.modes.get("fwdbwd") if r.median("fwdbwd") else None
+        cells.append(f"{fb.pipelined_s * 1e3:.2f}" if fb and fb.pipelined_s else "-")
         for b in bases:
             s = r.speedup.get("fwdbwd", {}).get(b)
             cells.append("-" if s is None else f"{s:.2f}")

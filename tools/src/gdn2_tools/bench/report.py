@@ -71,7 +71,9 @@ def rows_from_json(path: str | Path) -> list[RowResult]:
             source=where,
         )
         for mode, t in (r.get("modes") or {}).items():
-            row.modes[mode] = Timing(t.get("compile_s") or 0.0, list(t.get("times_s") or []))
+            row.modes[mode] = Timing(
+                t.get("compile_s") or 0.0, list(t.get("times_s") or []), t.get("pipelined_s")
+            )
         row.speedup = r.get("speedup") or {}
         rows.append(row)
     return rows
@@ -97,8 +99,9 @@ def to_markdown(results: Sequence[RowResult], checks: Sequence[Check], meta: dic
         f"jax {env['jax']} on {env['platform']} ({env['device_kind']}); "
         f"repeats {meta.get('repeats')} (fewer, at least 3, for programs slower than "
         f"{meta.get('time_budget_s')} s / repeats; see each row's JSON), after one warm-up run; "
-        "compile excluded. Times in ms: median [min-max]; "
-        "speed-up = baseline median / row median (same run).",
+        "compile excluded. Times in ms: median [min-max] of blocking calls; "
+        "fwd+bwd pipelined: as many calls back to back, one wait at the end, per call "
+        "(a training loop's way); speed-up = baseline median / row median (same run).",
         "",
     ]
     if meta.get("devices"):
@@ -106,6 +109,7 @@ def to_markdown(results: Sequence[RowResult], checks: Sequence[Check], meta: dic
     bases = [b for b in baselines() if any(r.backend == b for r in results)]
     header = ["shape", "dtype", "backend", "status"]
     header += [f"{MODE_LABELS[m]} ms" for m in MODES]
+    header += ["fwd+bwd pipelined ms"]
     header += [f"compile {MODE_LABELS[m]} s" for m in ("fwd", "fwdbwd")]
     header += [f"fwd+bwd vs {b}" for b in bases]
     header += ["gate (worst rel err)", "source"]
@@ -118,6 +122,8 @@ def to_markdown(results: Sequence[RowResult], checks: Sequence[Check], meta: dic
             status = f"{r.status}: {r.reason}".replace("|", "/").replace("\n", " ")
         cells = [r.shape.label, r.dtype, r.backend, status]
         cells += [_cell(r, m) for m in MODES]
+        fb = r.modes.get("fwdbwd")
+        cells.append(_ms(fb.pipelined_s) if fb is not None and fb.times_s else "-")
         cells += [f"{r.modes[m].compile_s:.2f}" if m in r.modes else "-" for m in ("fwd", "fwdbwd")]
         for b in bases:
             s = r.speedup.get("fwdbwd", {}).get(b)
