@@ -65,6 +65,8 @@ def test_trace_gives_each_op_its_time_per_call(tmp_path):
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["op_ms"], row.get("trace_lines")
     assert all(ms > 0 for ms in row["op_ms"].values())
+    # 3x, not 1x: a CPU trace's ops may run on several XLA threads at once, so their summed
+    # per-call times could exceed the call's wall clock (seen here: 0.01x to 0.17x of it).
     assert sum(row["op_ms"].values()) < 3 * row["median_ms"]
     assert list(row["op_ms"].values()) == sorted(row["op_ms"].values(), reverse=True)
 

@@ -5,10 +5,10 @@ and reads the trace (``jax.profiler.ProfileData``): on an accelerator, the event
 planes' ``XLA Ops`` lines (one per executed HLO op, which a TPU trace names by its HLO text; kept
 here as the op's name, a Pallas kernel's its custom call's, e.g. ``gdn2_bwd.1``) and of their
 ``XLA Modules`` lines (one per executed program); on a CPU, the XLA execute threads of the host
-plane. Summed durations divided by
-``calls``: milliseconds per call. A measurement of the device at hand, not an estimate; the ops'
-sum is below the module's time by the device's gaps between ops, and that below the call's wall
-clock by what the host adds (dispatch, the wait for the result).
+plane. Summed durations divided by ``calls``: milliseconds per call. A measurement of the device
+at hand, not an estimate; the ops' sum is below the module's time by the device's gaps between
+ops, and that below the call's wall clock by what the host adds (dispatch, the wait for the
+result).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ Each spec is ``BACKEND:DTYPE:PROGRAM``; ``forward`` is ``gdn2_forward``, ``train
 backward of ``gdn2_forward_trainable`` (the bench's fwd+bwd), on the bench's inputs
 (:func:`gdn2_tools.bench.inputs.make_inputs`), whose log decays are model-like unless ``--decay``
 names another of the kit's distributions: pallas_tpu runs a grid step's merged-levels copy only
-when the step's decays are bounded (``--decay mixed`` or ``weak`` time the 16-row copy, ``model``
-mostly the levels; docs/algorithm.md section 10). Compile is timed apart; one warm-up call, then the
+when the step's decays are bounded (``--decay mixed``, ``weak`` and, at the train shape, ``model``
+time the 16-row copy; docs/algorithm.md section 10). Compile is timed apart; one warm-up call, then the
 median of ``--repeats`` blocking calls (:mod:`gdn2_tools.bench.timing`), and ``pipelined_ms``: as
 many calls dispatched back to back with one wait at the end, per call (a training loop's way: the
 host's dispatch and wait overlap the device's work). Each row also gives:
