@@ -15,9 +15,18 @@ from gdn2_pallas_tpu import cost
 from gdn2_pallas_tpu.config import PallasTpuConfig
 from gdn2_pallas_tpu.kernels_bwd import backward_call
 from gdn2_pallas_tpu.kernels_fwd import forward_call
-from gdn2_pallas_tpu.plan import MAX_STEP_ROWS, check_plan, make_plan, max_step_rows, vmem_bytes
+from gdn2_pallas_tpu.plan import (
+    MAX_STEP_ROWS,
+    check_plan,
+    make_plan,
+    max_step_rows,
+    max_train_step_rows,
+    varlen_plan,
+    vmem_bytes,
+)
 from gdn2core import DEFAULT_CONFIG, LONG_CHUNKS, KernelConfig
 from gdn2core.ops.forward.spec import OpSpec
+from gdn2core.plugin import SegmentMode
 
 V5E = 128 * 2**20  # per-core VMEM of v5e and v6e
 
@@ -80,33 +89,67 @@ def test_heads_per_step_give_each_tensor_core_as_many_grid_points(B, H, cores, h
 
 
 @pytest.mark.parametrize(
-    ("dv", "T", "dtype", "planned", "trained"),
+    ("H", "dv", "T", "planned", "trained"),
     [
-        (128, 32768, "bfloat16", 2, 4),
-        (128, 32768, "float32", 2, 4),
-        (256, 32768, "bfloat16", 2, 4),
-        (256, 67 * 64, "bfloat16", 1, 4),
-        (256, 128, "bfloat16", 2, 2),
+        (6, 128, 32768, 4, 4),
+        (2, 256, 10 * 64, 5, 8),
+        (16, 64, 67 * 64, 1, 2),
+        (4, 256, 128, 2, 2),
     ],
-    ids=["dv128", "dv128-float32", "dv256", "dv256-prime-chunks-padded", "dv256-two-chunks"],
+    ids=["H6", "dv256-ten-chunks-padded", "dv64-prime-chunks", "dv256-two-chunks"],
 )
 def test_training_plan_saves_no_more_state_than_a_key_or_the_chunk_matrices(
-    dv, T, dtype, planned, trained
+    H, dv, T, planned, trained
 ):
-    """A training plan takes ``nc C >= dv`` and ``nc C^2 >= dk dv`` tokens a step (the smallest
-    such divisor of the chunks, else padded; at most the chunks there are, and what fits the
-    VMEM), so the state it saves per step (``dk dv`` per head) is at most ``dk`` values per token
-    and head, and at most the ``C`` of the chunk matrices saved beside it: 16 heads (8-head
-    steps) go from 2 to 4 chunks a step at dv = 128, in either dtype; dv = 256 asks for 8 and
-    gets the 4 that fit the VMEM; two chunks are all there are."""
-    spec = OpSpec(1, T, 16, 128, dv, dtype, 1.0)
+    """Where the cap on a training step's rows allows (bfloat16: 24 units of 64 tokens), a
+    training plan takes ``nc C >= dv`` and ``nc C^2 >= dk dv`` tokens a step (the smallest such
+    divisor of the chunks, else padded; at most the chunks there are, and what fits the VMEM),
+    so the state it saves per step (``dk dv`` per head) is at most ``dk`` values per token and
+    head, and at most the ``C`` of the chunk matrices saved beside it: 6 heads keep their 4
+    chunks; 2 heads at dv = 256 go from 5 chunks to 8 (10 chunks padded to 16); 16 heads at
+    dv = 64 from 1 of 67 (prime) to 2; two chunks are all there are."""
+    spec = OpSpec(1, T, H, 128, dv, "bfloat16", 1.0)
     plan = make_plan(spec, DEFAULT_CONFIG, V5E)
     train = make_plan(spec, DEFAULT_CONFIG, V5E, training=True)
-    assert (plan.hb, plan.nc, train.hb, train.nc) == (8, planned, 8, trained)
-    if train.n_steps > 1 and dv == 128:  # the step states per token and head: at most C values
+    assert (plan.nc, train.nc, train.hb) == (planned, trained, plan.hb)
+    if train.n_steps > 1 and dv <= 128:  # the step states per token and head: at most C values
         assert train.n_steps * 128 * dv <= train.t_pad * train.C
     if train.n_steps > 1:  # at most dk values
         assert train.n_steps * 128 * dv <= train.t_pad * 128
+
+
+@pytest.mark.parametrize(
+    ("H", "dtype", "depth", "n_seqs", "planned", "trained"),
+    [
+        (16, "bfloat16", 128, 0, (8, 2), (8, 2)),
+        (6, "bfloat16", 128, 0, (6, 4), (6, 4)),
+        (6, "float32", 128, 0, (6, 4), (6, 2)),
+        (16, "float32", 128, 0, (8, 2), (8, 2)),
+        (6, "bfloat16", 256, 0, (6, 8), (6, 4)),
+        (6, "float32", 256, 0, (6, 8), (6, 2)),
+        (6, "float32", 128, 3, (6, 4), (6, 2)),
+    ],
+    ids=["H16", "H6", "H6-float32", "H16-float32", "v6e", "v6e-float32", "cu_seqlens-float32"],
+)
+def test_training_plan_caps_the_rows_of_a_step(H, dtype, depth, n_seqs, planned, trained):
+    """A training plan takes at most ``max_train_step_rows`` rows a step, 24 units of 64 tokens
+    with bfloat16 products and 16 with float32 inputs (6 heads: 12), on every MXU depth and over
+    the saved states' floor (16 heads: 8 heads x 2 chunks, not the 4 the floor asks for): the
+    backward's program of 24 float32 units, or of 32 bfloat16 ones, ran about 2x its static
+    estimate on a TPU v5e (plan.py, "Training steps"). A ``cu_seqlens`` row takes the cap too
+    (no floor). The inference plan keeps its rows."""
+    spec = OpSpec(1, 32768, H, 128, 128, dtype, 1.0)
+    if n_seqs:
+        spec = dataclasses.replace(spec, segments=SegmentMode.CU_SEQLENS, n_seqs=n_seqs)
+        plans = [varlen_plan(spec, DEFAULT_CONFIG, V5E, mxu_depth=depth, training=t)
+                 for t in (False, True)]  # fmt: skip
+    else:
+        plans = [make_plan(spec, DEFAULT_CONFIG, V5E, mxu_depth=depth, training=t)
+                 for t in (False, True)]  # fmt: skip
+    assert [(p.hb, p.nc) for p in plans] == [planned, trained]
+    cap = 24 * 64 if dtype == "bfloat16" else 16 * 64
+    assert plans[1].units * plans[1].C <= max(cap, plans[1].hb * plans[1].C)
+    assert max_train_step_rows(plans[1].precisions) == cap
 
 
 def test_blocking_shrinks_to_fit_a_small_vmem():

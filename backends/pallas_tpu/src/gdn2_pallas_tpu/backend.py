@@ -157,7 +157,7 @@ class PallasTpuBackend(Backend):
         if groups > 1 and spec.segments == SegmentMode.CU_SEQLENS:  # the core never does this
             raise ValueError(f"key_groups={groups}: expected 1 with cu_seqlens")
         if spec.segments == SegmentMode.CU_SEQLENS:  # the chunk-aligned row (varlen.py)
-            plan = varlen_plan(spec, config, capacity, act, cores, depth)
+            plan = varlen_plan(spec, config, capacity, act, cores, depth, trainable)
             if trainable and extras.continues is not None:
                 raise ValueError(
                     "extras.continues: continued sequences are forward only (the ragged op), "

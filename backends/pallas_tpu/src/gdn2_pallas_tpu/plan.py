@@ -28,8 +28,24 @@ H=6 d=128): one unit per step costs about 4x the cycles of ``hb=6, nc=4`` per ch
   T=2048, docs/results.md); 256-wide value heads (grouped value heads with b, g on the key heads
   run as ``G dv`` wide heads) ask for 8 and get the 4 that fit the VMEM: the train step's temp
   HBM at B=1 T=32768 H=16 HV=32 d=128 bf16 on v5e 322 -> 194 MiB against 2 chunks, its kernels
-  0.9% slower (docs/results.md). The ``cu_seqlens`` row (:func:`varlen_plan`) keeps the planned
-  ``nc`` in training too: its chunk table is checked against SMEM for that one plan.
+  0.9% slower (docs/results.md). The cap on a training step's rows below wins over that floor.
+  The ``cu_seqlens`` row (:func:`varlen_plan`) keeps the planned ``nc`` in training but for the
+  cap (no floor: its chunk table is checked against SMEM for both plans).
+
+Training steps. The backward kernel's program (one grid step, every branch of it) grows with the
+units it batches, and on a TPU v5e the long programs ran about twice as long as the compiler's
+static estimate of them while the short ones ran within 4% of theirs (docs/results.md, "A fourth
+run on a TPU v5e": B=8 T=4096 H=6 float32 inputs, 24 units a step, backward 6.68 ms on the chip,
+3.16 ms at 12 units; B=1 T=16384 H=16 bfloat16, 8 heads x 4 chunks, 6.41 ms, 2.81 ms at 8 x 2).
+By ``python -m gdn2_tools.llo_utilization --mode train --kernel gdn2_bwd`` (B=1 T=1024) the slow
+programs were 104,708 bundles (bfloat16, H=16, 32 units) and 113,228 (float32, H=6, 24), the
+fast ones at most 62,881 (the float32 training forward at 24 units; the bfloat16 backward
+62,551 at 24 units and 51,435 at 16; the float32 one 57,265 at 12). The estimate cannot see what
+makes a long program slow (we suspect the fetch of instructions that no longer fit the core's
+instruction memory; no public document says), so a training plan takes at most
+:func:`max_train_step_rows`: 24 units of C = 64 with bfloat16 products, 16 with float32 inputs
+(6 heads take 12; 16 heads 8 x 2, whose float32 backward is 43,469 bundles), on every target
+(v6e's twice-as-long steps too: their programs would be longer still).
 
 The sequence is padded at the end with zero tokens (``k = 0, g = 0`` leave the state unchanged) to
 a whole number of steps, ``t_pad = ceil(T / (nc C)) nc C``.
@@ -88,6 +104,17 @@ MERGED_EXPONENT: Final = 64.0
 #: decays of a chunk (on each channel) sum to at least ``-MERGED_EXPONENT``, 8 rows when every 4
 #: do (checked on a bound over the step's heads: chunk_math.window_maxima, mergeable).
 RUNTIME_MERGED_BLOCKS: Final = (16, 8)
+#: Rows (tokens x heads) of a training plan's grid step at most, by the precision of the
+#: backward's products (:func:`max_train_step_rows`): the backward kernel's program (its grid
+#: step, every branch of it) grows with the units it batches, and a TPU v5e ran the long ones
+#: about 2x slower than the compiler's static estimate of them, the short ones within 1.04x
+#: (module docstring, "Training steps"). bfloat16 products: 24 units of C = 64 (the backward's
+#: program 62,551 bundles at B=1 T=1024 H=6; 104,708 at 32 units, 8 heads x 4 chunks).
+MAX_TRAIN_STEP_ROWS: Final = 24 * 64
+#: The same for float32 inputs (three bfloat16 MXU passes a product, and their splits): 16 units
+#: (6 heads take 12: 57,265 bundles, 113,228 at 24 units, which ran 2.2x its estimate; 16 heads
+#: 8 x 2: 43,469).
+MAX_TRAIN_STEP_ROWS_F32: Final = 16 * 64
 #: Chunks per grid step at most (the sequential state pass is nc steps long).
 MAX_CHUNKS_PER_STEP: Final = 8
 #: Chunk lengths the level scheme takes: powers of two (levels), sublane aligned, MXU sized.
@@ -486,6 +513,35 @@ def max_step_rows(mxu_depth: int, n_seqs: int = 0) -> int:
     return MAX_STEP_ROWS_DEEP_MXU if deep else MAX_STEP_ROWS
 
 
+def max_train_step_rows(precisions: Precisions) -> int:
+    """Rows a training plan's grid step may take (on every target): :data:`MAX_TRAIN_STEP_ROWS`
+    when the backward's products are single bfloat16 passes, :data:`MAX_TRAIN_STEP_ROWS_F32`
+    otherwise (the module docstring, "Training steps")."""
+    single = all(getattr(precisions, f.name) is MatmulPrecision.BF16
+                 for f in dataclasses.fields(precisions))  # fmt: skip
+    return MAX_TRAIN_STEP_ROWS if single else MAX_TRAIN_STEP_ROWS_F32
+
+
+def training_chunks(nc: int, n_chunks: int, hb: int, spec: OpSpec, C: int, precisions: Precisions,
+                    floor: bool = True) -> int:  # fmt: skip
+    """Chunks a step of a training plan takes, from the planned ``nc``: with ``floor``, at least
+    ``dv / C`` and ``dk dv / C^2`` (the smallest divisor of ``n_chunks`` from there, else padded;
+    the saved states' bytes, module docstring); then at most :func:`max_train_step_rows` rows
+    (a divisor of ``n_chunks`` where one is at least half of that, else padded), which wins over
+    the floor."""
+    cap = min(MAX_CHUNKS_PER_STEP, n_chunks)
+    if floor:
+        nc_min = min(cap, max(-(-spec.dv // C), -(-spec.dk * spec.dv // (C * C))))
+        if nc < nc_min:
+            nc = next((d for d in range(nc_min, cap + 1) if n_chunks % d == 0), nc_min)
+    nc_code = max(1, max_train_step_rows(precisions) // (hb * C))
+    if nc > nc_code:
+        nc = max(d for d in range(1, nc_code + 1) if n_chunks % d == 0)
+        if nc < nc_code // 2:
+            nc = nc_code
+    return nc
+
+
 def make_plan(
     spec: OpSpec,
     config: KernelConfig,
@@ -531,11 +587,8 @@ def make_plan(
     nc = max(d for d in range(1, nc_max + 1) if n_chunks % d == 0)
     if nc < nc_max // 2:  # e.g. a prime number of chunks: pad rather than lose the batching
         nc = nc_max
-    if training:  # nc C >= dv and nc C^2 >= dk dv: the smallest divisor from there, else pad
-        cap = min(MAX_CHUNKS_PER_STEP, n_chunks)
-        nc_min = min(cap, max(-(-spec.dv // C), -(-spec.dk * spec.dv // (C * C))))
-        if nc < nc_min:
-            nc = next((d for d in range(nc_min, cap + 1) if n_chunks % d == 0), nc_min)
+    if training:  # the saved states' floor (not for a cu_seqlens row), the program's cap
+        nc = training_chunks(nc, n_chunks, hb, spec, C, precs, floor=not n_seqs)
     while True:
         plan = Plan(
             batch=spec.batch,
@@ -587,10 +640,12 @@ def check_plan(spec: OpSpec, config: KernelConfig) -> str | None:
     if spec.segments == SegmentMode.CU_SEQLENS:
         from gdn2_pallas_tpu import varlen
 
+        for training in (False, True):  # a trainable call's row has its own steps
+            plan = varlen_plan(spec, config, vmem_capacity_bytes(), act, training=training)
+            refusal = varlen.table_refusal(spec.n_seqs, spec.seq_len, plan.C, plan.t_pad)
+            if refusal:
+                return refusal
         plan = varlen_plan(spec, config, vmem_capacity_bytes(), act)
-        refusal = varlen.table_refusal(spec.n_seqs, spec.seq_len, plan.C, plan.t_pad)
-        if refusal:
-            return refusal
     else:
         segments = spec.segments == SegmentMode.IDS
         plan = make_plan(spec, config, segments=segments, activations=act)
@@ -608,13 +663,16 @@ def check_plan(spec: OpSpec, config: KernelConfig) -> str | None:
 
 
 def varlen_plan(spec: OpSpec, config: KernelConfig, vmem_capacity: int, activations=None,
-                cores: int | None = None, mxu_depth: int | None = None) -> Plan:  # fmt: skip
+                cores: int | None = None, mxu_depth: int | None = None,
+                training: bool = False) -> Plan:  # fmt: skip
     """The plan of a ``cu_seqlens`` call: the chunk-aligned row of ``spec.n_seqs`` sequences
-    (varlen.py), one batch row."""
+    (varlen.py), one batch row; ``training``: a trainable call's (the program's cap on a step's
+    rows, :func:`training_chunks`, without the saved states' floor)."""
     from gdn2_pallas_tpu import varlen
 
     plan = make_plan(spec, config, vmem_capacity, activations=activations, n_seqs=spec.n_seqs,
-                     scalar_gates=spec.scalar_gates, cores=cores, mxu_depth=mxu_depth)  # fmt: skip
+                     scalar_gates=spec.scalar_gates, training=training, cores=cores,
+                     mxu_depth=mxu_depth)  # fmt: skip
     t_pad = varlen.padded_length(spec.seq_len, spec.n_seqs, plan.C, plan.step_len)
     return dataclasses.replace(plan, batch=1, seq_len=t_pad, n_seqs=spec.n_seqs)
 
