@@ -19,13 +19,19 @@ def _counts(out: str) -> dict[str, list[int]]:
     return rows
 
 
-@pytest.mark.parametrize("tpu, steps", [("v5e", 8), ("v6e", 4)])
-def test_weak_decays_merge_16_rows_in_every_step(tpu, steps, capsys):
+@pytest.mark.parametrize(
+    "tpu, dtype, steps, training",
+    [("v5e", "bfloat16", 8, 8), ("v6e", "bfloat16", 4, 8), ("v5e", "float32", 8, 16)],
+)
+def test_weak_decays_merge_16_rows_in_every_step(tpu, dtype, steps, training, capsys):
     # B=1 T=2048 H=6: 32 chunks of 64, 4 chunks of 6 heads a step on v5e, 8 on v6e (twice the
-    # rows on its 256-deep MXU); weak decays (|g| < 1e-3) merge everywhere.
-    assert merged_steps.main(["--shape", "1,2048,6,32", "--decay", "weak", "--tpu", tpu]) == 0
+    # rows on its 256-deep MXU); training plans take at most 4 (bfloat16) or 2 (float32 inputs)
+    # on either (the cap on a training step's rows, plan.py "Training steps"); weak decays
+    # (|g| < 1e-3) merge everywhere.
+    argv = ["--shape", "1,2048,6,32", "--decay", "weak", "--tpu", tpu, "--dtype", dtype]
+    assert merged_steps.main(argv) == 0
     rows = _counts(capsys.readouterr().out)
-    assert rows == {"forward": [steps, steps, 0, 0], "training": [steps, steps, 0, 0]}
+    assert rows == {"forward": [steps, steps, 0, 0], "training": [training, training, 0, 0]}
 
 
 def test_strong_decays_keep_the_levels(capsys):

@@ -7,7 +7,9 @@ description of it; no compile, no TPU).
     python -m gdn2_tools.merged_steps --shape 8,4096,6,128 --decay model --tpu v5e
 
 One line per kernel plan (the inference forward; the training forward and the backward), with
-the count of steps per copy.
+the count of steps per copy. ``--dtype`` (default bfloat16, the bench's train step) is the inputs'
+dtype, which sets the plans' blocking too: a float32 training plan takes fewer rows a step
+(pallas_tpu's plan.py, "Training steps").
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from gdn2_tools.tpu_report import planned_for
 COPIES = {16: "16-row blocks", 8: "8-row blocks", 1: "levels"}
 
 
-def copies(shape: BenchShape, decay: Decay, tpu: str, seed: int = 0) -> dict[str, dict[int, int]]:
+def copies(
+    shape: BenchShape, decay: Decay, tpu: str, seed: int = 0, dtype: str = "bfloat16"
+) -> dict[str, dict[int, int]]:
     """Steps per copy (block 16, 8 or 1) of the inference and the training plan.
 
     Args:
@@ -35,6 +39,7 @@ def copies(shape: BenchShape, decay: Decay, tpu: str, seed: int = 0) -> dict[str
         decay: the log decays' distribution.
         tpu: a chip of :data:`gdn2_tools.chips.CHIPS`: its plans (VMEM, MXU depth, cores).
         seed: the input seed.
+        dtype: the inputs' dtype ("bfloat16" or "float32"): the plans' too.
 
     Returns:
         ``{"forward": {block: steps}, "training": {block: steps}}``.
@@ -44,7 +49,7 @@ def copies(shape: BenchShape, decay: Decay, tpu: str, seed: int = 0) -> dict[str
     from gdn2core import KernelConfig
     from gdn2core.ops.forward.spec import OpSpec
 
-    xs, _, _ = make_inputs(shape, "float32", seed, decay)
+    xs, _, _ = make_inputs(shape, dtype, seed, decay)
     spec = OpSpec.from_inputs(*xs, None, None)
     out = {}
     for name, training in (("forward", False), ("training", True)):
@@ -61,6 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--decay", choices=[d.value for d in Decay], default=Decay.MODEL.value)
     parser.add_argument("--tpu", choices=sorted(CHIPS), default="v5e")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = parser.parse_args(argv)
     try:
         shape = parse_shape(args.shape)
@@ -68,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
     if shape.HV or shape.seqs > 1:
         parser.error("--shape: grouped value heads and packed rows are not taken here")
-    for name, counts in copies(shape, Decay(args.decay), args.tpu, args.seed).items():
+    for name, counts in copies(shape, Decay(args.decay), args.tpu, args.seed, args.dtype).items():
         parts = ", ".join(f"{COPIES[b]} {n}" for b, n in counts.items())
         print(f"{name}: {sum(counts.values())} steps: {parts}")
     return 0
