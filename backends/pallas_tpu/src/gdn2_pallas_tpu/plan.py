@@ -517,8 +517,7 @@ def max_train_step_rows(precisions: Precisions) -> int:
     """Rows a training plan's grid step may take (on every target): :data:`MAX_TRAIN_STEP_ROWS`
     when the backward's products are single bfloat16 passes, :data:`MAX_TRAIN_STEP_ROWS_F32`
     otherwise (the module docstring, "Training steps")."""
-    single = all(getattr(precisions, f.name) is MatmulPrecision.BF16
-                 for f in dataclasses.fields(precisions))  # fmt: skip
+    single = precisions == Precisions.uniform(MatmulPrecision.BF16)
     return MAX_TRAIN_STEP_ROWS if single else MAX_TRAIN_STEP_ROWS_F32
 
 
@@ -640,12 +639,12 @@ def check_plan(spec: OpSpec, config: KernelConfig) -> str | None:
     if spec.segments == SegmentMode.CU_SEQLENS:
         from gdn2_pallas_tpu import varlen
 
-        for training in (False, True):  # a trainable call's row has its own steps
-            plan = varlen_plan(spec, config, vmem_capacity_bytes(), act, training=training)
-            refusal = varlen.table_refusal(spec.n_seqs, spec.seq_len, plan.C, plan.t_pad)
+        trained = varlen_plan(spec, config, vmem_capacity_bytes(), act, training=True)
+        plan = varlen_plan(spec, config, vmem_capacity_bytes(), act)
+        for row in (plan, trained):  # a trainable call's row has its own steps
+            refusal = varlen.table_refusal(spec.n_seqs, spec.seq_len, row.C, row.t_pad)
             if refusal:
                 return refusal
-        plan = varlen_plan(spec, config, vmem_capacity_bytes(), act)
     else:
         segments = spec.segments == SegmentMode.IDS
         plan = make_plan(spec, config, segments=segments, activations=act)
