@@ -28,24 +28,34 @@ H=6 d=128): one unit per step costs about 4x the cycles of ``hb=6, nc=4`` per ch
   T=2048, docs/results.md); 256-wide value heads (grouped value heads with b, g on the key heads
   run as ``G dv`` wide heads) ask for 8 and get the 4 that fit the VMEM: the train step's temp
   HBM at B=1 T=32768 H=16 HV=32 d=128 bf16 on v5e 322 -> 194 MiB against 2 chunks, its kernels
-  0.9% slower (docs/results.md). The cap on a training step's rows below wins over that floor.
+  0.9% slower (docs/results.md). The cap on the backward's program below wins over that floor.
   The ``cu_seqlens`` row (:func:`varlen_plan`) keeps the planned ``nc`` in training but for the
   cap (no floor: its chunk table is checked against SMEM for both plans).
 
 Training steps. The backward kernel's program (one grid step, every branch of it) grows with the
-units it batches, and on a TPU v5e the long programs ran about twice as long as the compiler's
-static estimate of them while the short ones ran within 4% of theirs (docs/results.md, "A fourth
-run on a TPU v5e": B=8 T=4096 H=6 float32 inputs, 24 units a step, backward 6.68 ms on the chip,
-3.16 ms at 12 units; B=1 T=16384 H=16 bfloat16, 8 heads x 4 chunks, 6.41 ms, 2.81 ms at 8 x 2).
-By ``python -m gdn2_tools.llo_utilization --mode train --kernel gdn2_bwd`` (B=1 T=1024) the slow
-programs were 104,708 bundles (bfloat16, H=16, 32 units) and 113,228 (float32, H=6, 24), the
-fast ones at most 62,881 (the float32 training forward at 24 units; the bfloat16 backward
-62,551 at 24 units and 51,435 at 16; the float32 one 57,265 at 12). The estimate cannot see what
-makes a long program slow (we suspect the fetch of instructions that no longer fit the core's
-instruction memory; no public document says), so a training plan takes at most
-:func:`max_train_step_rows`: 24 units of C = 64 with bfloat16 products, 16 with float32 inputs
-(6 heads take 12; 16 heads 8 x 2, whose float32 backward is 43,469 bundles), on every target
-(v6e's twice-as-long steps too: their programs would be longer still).
+units it batches, and on a TPU v5e the long programs ran 2.2x to 2.4x as long as the compiler's
+static estimate of them (or as the same work at a shorter blocking) while the short ones ran
+within 4% of theirs (docs/results.md, "A fourth run on a TPU v5e" and "A fifth run": B=8 T=4096
+H=6 float32 inputs, 24 units a step, backward 6.68 ms, 3.16 ms at 12 units; B=1 T=16384 H=16
+bfloat16, 8 heads x 4 chunks, 6.41 ms, 2.81 ms at 8 x 2; B=1 T=12288 H=16 bfloat16, 8 x 3, 4.92
+ms, 2.11 at 8 x 2; B=1 T=16384 H=16 float32, 8 x 2, 10.94 ms, 4.64 at 8 x 1; B=1 T=32768 H=16
+with 32 value heads, 8 x 2, 17.33 ms, 7.84 at 8 x 1). By ``python -m gdn2_tools.llo_utilization
+--mode train --kernel gdn2_bwd`` (B=1 T=1024) every slow program was at least 69,237 bundles
+(the 256-wide value heads at 8 x 2) and every fast one at most 62,881 (the float32 training
+forward at 24 units; the backward 62,551 in bfloat16 at 6 x 4, 57,265 in float32 at 6 x 2). The
+estimate cannot see what makes a long program slow (we suspect the fetch of instructions that no
+longer fit the core's instruction memory; no public document says), so a training plan takes at
+most :func:`max_train_step_rows`: the rows whose program :func:`backward_bundles` (bundles per
+unit by the precision of the products and the layout, measured, scaled by ``dk + dv`` above
+256) keeps within :data:`MAX_BACKWARD_BUNDLES`: 24 units of C = 64 at 6 heads in bfloat16, 12
+in float32, 16 at 16 heads (token-major steps of 8 heads x 2 chunks) in bfloat16, 8 (8 x 1) in
+float32 or with 256-wide value heads; on every target (v6e's twice-as-long steps too: their programs
+would be longer still). Token-major steps keep their 8 heads, so a step of one chunk can still be
+over the bound (float32 with 256-wide value heads: 66,240 by the model; not measured). Fewer
+chunks a step save more states (module docstring above: the floor): at B=1 T=32768 H=16 the
+float32 train step saves 639 MiB and the one with 32 value heads 575 (383 and 319 at 2 chunks a
+step, a backward 2.4x and 2.2x slower); a model that recomputes its layers in the backward
+(``jax.checkpoint``) holds one layer's at a time.
 
 The sequence is padded at the end with zero tokens (``k = 0, g = 0`` leave the state unchanged) to
 a whole number of steps, ``t_pad = ceil(T / (nc C)) nc C``.
@@ -104,17 +114,22 @@ MERGED_EXPONENT: Final = 64.0
 #: decays of a chunk (on each channel) sum to at least ``-MERGED_EXPONENT``, 8 rows when every 4
 #: do (checked on a bound over the step's heads: chunk_math.window_maxima, mergeable).
 RUNTIME_MERGED_BLOCKS: Final = (16, 8)
-#: Rows (tokens x heads) of a training plan's grid step at most, by the precision of the
-#: backward's products (:func:`max_train_step_rows`): the backward kernel's program (its grid
-#: step, every branch of it) grows with the units it batches, and a TPU v5e ran the long ones
-#: about 2x slower than the compiler's static estimate of them, the short ones within 1.04x
-#: (module docstring, "Training steps"). bfloat16 products: 24 units of C = 64 (the backward's
-#: program 62,551 bundles at B=1 T=1024 H=6; 104,708 at 32 units, 8 heads x 4 chunks).
-MAX_TRAIN_STEP_ROWS: Final = 24 * 64
-#: The same for float32 inputs (three bfloat16 MXU passes a product, and their splits): 16 units
-#: (6 heads take 12: 57,265 bundles, 113,228 at 24 units, which ran 2.2x its estimate; 16 heads
-#: 8 x 2: 43,469).
-MAX_TRAIN_STEP_ROWS_F32: Final = 16 * 64
+#: Length of the backward kernel's program (its grid step, every branch of it) in the TPU
+#: compiler's schedule, in bundles per unit of 64 rows with ``dk + dv = 256``, by whether the
+#: backward's products are single bfloat16 passes and by the layout (:func:`backward_bundles`):
+#: ``python -m gdn2_tools.llo_utilization --mode train --kernel gdn2_bwd -B 1 -T 1024`` (1536
+#: for 3 chunks a step), v5e, the largest per unit of the blockings measured (module docstring,
+#: "Training steps").
+BACKWARD_BUNDLES_PER_UNIT: Final = {
+    (True, "head-major"): 2_610,  # H=6: 62,551 bundles at 6 heads x 4 chunks
+    (True, "token-major"): 3_280,  # H=16: 51,435 / 77,159 / 104,708 at 8 x 2 / 3 / 4
+    (False, "head-major"): 4_780,  # H=6 float32: 57,265 at 6 x 2, 113,228 at 6 x 4
+    (False, "token-major"): 5_520,  # H=16 float32: 88,296 at 8 x 2
+}
+#: The longest backward program a training plan may have (:func:`max_train_step_rows`): on a TPU
+#: v5e every kernel whose program was at most 62,881 bundles ran within 1.04x its static
+#: estimate, every one of 69,237 or more at 2.2x to 2.4x (module docstring, "Training steps").
+MAX_BACKWARD_BUNDLES: Final = 63_000
 #: Chunks per grid step at most (the sequential state pass is nc steps long).
 MAX_CHUNKS_PER_STEP: Final = 8
 #: Chunk lengths the level scheme takes: powers of two (levels), sublane aligned, MXU sized.
@@ -513,16 +528,28 @@ def max_step_rows(mxu_depth: int, n_seqs: int = 0) -> int:
     return MAX_STEP_ROWS_DEEP_MXU if deep else MAX_STEP_ROWS
 
 
-def max_train_step_rows(precisions: Precisions) -> int:
-    """Rows a training plan's grid step may take (on every target): :data:`MAX_TRAIN_STEP_ROWS`
-    when the backward's products are single bfloat16 passes, :data:`MAX_TRAIN_STEP_ROWS_F32`
-    otherwise (the module docstring, "Training steps")."""
+def backward_bundles(rows: int, layout: Layout, dk: int, dv: int,
+                     precisions: Precisions) -> float:  # fmt: skip
+    """The model of the backward kernel's program length, in bundles, for a grid step of
+    ``rows`` (tokens x heads): :data:`BACKWARD_BUNDLES_PER_UNIT` per 64 rows, scaled by
+    ``(dk + dv) / 256`` where that is more than 1 (a 256-wide value head's unit measured 0.88x of
+    that: 69,237 bundles at 8 x 2 with ``dv = 256``, token-major; narrower heads are counted as
+    128-wide ones: none was measured, and a unit's ``C x C`` work does not shrink with them)."""
     single = precisions == Precisions.uniform(MatmulPrecision.BF16)
-    return MAX_TRAIN_STEP_ROWS if single else MAX_TRAIN_STEP_ROWS_F32
+    per_unit = BACKWARD_BUNDLES_PER_UNIT[(single, layout.value)]
+    return rows / 64 * max(1.0, (dk + dv) / 256) * per_unit
+
+
+def max_train_step_rows(layout: Layout, dk: int, dv: int, precisions: Precisions) -> int:
+    """Rows a training plan's grid step may take (on every target): the most, in units of 64,
+    whose backward program :func:`backward_bundles` keeps within :data:`MAX_BACKWARD_BUNDLES`
+    (the module docstring, "Training steps"); at least 64."""
+    unit = backward_bundles(64, layout, dk, dv, precisions)
+    return 64 * max(1, int(MAX_BACKWARD_BUNDLES // unit))
 
 
 def training_chunks(nc: int, n_chunks: int, hb: int, spec: OpSpec, C: int, precisions: Precisions,
-                    floor: bool = True) -> int:  # fmt: skip
+                    layout: Layout, floor: bool = True) -> int:  # fmt: skip
     """Chunks a step of a training plan takes, from the planned ``nc``: with ``floor``, at least
     ``dv / C`` and ``dk dv / C^2`` (the smallest divisor of ``n_chunks`` from there, else padded;
     the saved states' bytes, module docstring); then at most :func:`max_train_step_rows` rows
@@ -533,7 +560,7 @@ def training_chunks(nc: int, n_chunks: int, hb: int, spec: OpSpec, C: int, preci
         nc_min = min(cap, max(-(-spec.dv // C), -(-spec.dk * spec.dv // (C * C))))
         if nc < nc_min:
             nc = next((d for d in range(nc_min, cap + 1) if n_chunks % d == 0), nc_min)
-    nc_code = max(1, max_train_step_rows(precisions) // (hb * C))
+    nc_code = max(1, max_train_step_rows(layout, spec.dk, spec.dv, precisions) // (hb * C))
     if nc > nc_code:
         nc = max(d for d in range(1, nc_code + 1) if n_chunks % d == 0)
         if nc < nc_code // 2:
@@ -587,7 +614,7 @@ def make_plan(
     if nc < nc_max // 2:  # e.g. a prime number of chunks: pad rather than lose the batching
         nc = nc_max
     if training:  # the saved states' floor (not for a cu_seqlens row), the program's cap
-        nc = training_chunks(nc, n_chunks, hb, spec, C, precs, floor=not n_seqs)
+        nc = training_chunks(nc, n_chunks, hb, spec, C, precs, layout, floor=not n_seqs)
     while True:
         plan = Plan(
             batch=spec.batch,
