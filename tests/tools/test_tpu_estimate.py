@@ -82,6 +82,27 @@ def test_fits_are_flagged_unless_three_points_within_two_percent(monkeypatch, ca
     assert ("WARNING" in out) is not ok
 
 
+@pytest.mark.parametrize("bundles, ok", [(None, True), (62_881, True), (69_237, False)],
+                         ids=["not-dumped", "longest-measured-fast", "measured-slow"])  # fmt: skip
+def test_kernels_with_programs_longer_than_any_measured_fast_are_flagged(monkeypatch, capsys,
+                                                                          bundles, ok):  # fmt: skip
+    """A kernel's program length is printed beside its time, and one longer than any a TPU v5e
+    ran at its estimate's speed (static_profile.LONGEST_FAST_PROGRAM) makes the row untrusted,
+    with a note saying why: such programs ran 2.2x to 2.4x their estimate."""
+    fit = {"points": [(512, 1), (1024, 2), (2048, 4)], "cycles_per_token": 1.0,
+           "max_rel_residual": 0.0}  # fmt: skip
+    op = OpCycles("gdn2_bwd", 1_500_000, 1, True, fit=fit, bundles=bundles)
+    e = Estimate(PROGRAM, "v5e", [op], 0, {}, [], op_bytes={"gdn2_bwd": 81_900_000})
+    monkeypatch.setattr(tpu_estimate, "run", lambda program, tpu: e)
+    row = tpu_estimate.row_of(PROGRAM, "v5e", 64)
+    assert row.trustworthy is ok
+    tpu_estimate.print_row(row)
+    out = capsys.readouterr().out
+    assert (f"program {bundles or 0:,} bundles" in out) is (bundles is not None)
+    assert ("longer than any a TPU v5e ran at its estimate's speed" in out) is not ok
+    assert ("WARNING" in out) is not ok
+
+
 def test_the_fit_points_are_three():
     assert len(tpu_estimate.FIT_POINTS) >= 3
 

@@ -113,11 +113,7 @@ def measure(program: static_profile.Program, tpu: str, kernel: str) -> Utilizati
         if not ops:
             raise ValueError(f"no kernel named {kernel}.N in the compiled program: {kernels}")
         dump = os.path.join(work, "llo")
-        flags = [
-            f"--xla_jf_dump_to={dump}",
-            "--xla_jf_dump_llo_text=true",
-            f"{static_profile.ONLY_FLAG}{ops[0]}=true",
-        ]
+        flags = [*static_profile.llo_dump_flags(dump), f"{static_profile.ONLY_FLAG}{ops[0]}=true"]
         code, log = static_profile._compile_child(program, tpu, work, flags, 1800, 12.0)
         found = sorted(glob.glob(os.path.join(dump, UTILIZATION_GLOB.format(op=ops[0]))))
         if not found:

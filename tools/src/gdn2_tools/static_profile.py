@@ -53,6 +53,12 @@ CLOCK_HZ: Final = {name: chip.clock_hz for name, chip in CHIPS.items()}
 PROFILE_FLAG: Final = "--xla_jf_dump_static_llo_profile_to="
 ONLY_FLAG: Final = "--xla_jf_dump_only_matching_hlo="
 NO_MSA_FLAG: Final = "--xla_msa_enable=false"
+#: The longest Pallas kernel program (one grid step, every branch of it, in bundles of the
+#: compiler's schedule) measured on a TPU v5e within 4% of its static estimate; every program of
+#: 69,237 bundles or more measured there ran 2.2x to 2.4x as long as its estimate or as the same
+#: work in a shorter program (docs/results.md, "A fourth run" and "A fifth run on a TPU v5e").
+#: The profile does not price what makes a long program slow.
+LONGEST_FAST_PROGRAM: Final = 62_881
 LABEL: Final = "TPU compiler static cycle estimate (libtpu LLO profile), not a measurement"
 
 
@@ -100,6 +106,8 @@ class OpCycles:
     cost_model_cycles: int = 0  # XLA's fusion cost model, for unmodelled ops
     fit: dict | None = None  # extrapolation details
     equivalents: int = 1  # the identical ops this profile stands for (read_profiles), itself too
+    bundles: int | None = None  # a kernel's program length in the compiler's schedule (one grid
+    #   step, every branch; :func:`estimate` with ``bundles``)
 
     @property
     def times(self) -> int:
@@ -508,6 +516,26 @@ def _compile_child(program, tpu, work, flags, timeout_s, max_rss_gb) -> tuple[in
         return code, log.read()
 
 
+def llo_dump_flags(directory: str) -> list[str]:
+    """libtpu flags that write each compiled op's LLO program to ``directory`` after every pass,
+    among them the per-bundle slot use of the scheduled program (gdn2_tools.llo_utilization)."""
+    return [f"--xla_jf_dump_to={directory}", "--xla_jf_dump_llo_text=true"]
+
+
+def program_bundles(directory: str, op: str) -> int | None:
+    """The bundles of ``op``'s scheduled program in the LLO dump in ``directory``
+    (:func:`llo_dump_flags`), or None without its utilization file."""
+    from gdn2_tools import llo_utilization  # it reads the dump; it imports this module
+
+    found = sorted(
+        glob.glob(os.path.join(directory, llo_utilization.UTILIZATION_GLOB.format(op=op)))
+    )
+    if not found:
+        return None
+    with open(found[0]) as f:
+        return llo_utilization.parse(f.read()).bundles
+
+
 def estimate(
     program: Program,
     tpu: str,
@@ -517,6 +545,7 @@ def estimate(
     extra_flags: Sequence[str] = (),
     timeout_s: float = 1800,
     max_rss_gb: float = 12.0,
+    bundles: bool = False,
 ) -> Estimate:
     """Compile ``program`` for ``tpu`` in a child process and read its static profile.
 
@@ -528,6 +557,9 @@ def estimate(
         extra_flags: more libtpu flags.
         timeout_s: stop the child after this long.
         max_rss_gb: stop the child above this resident memory.
+        bundles: also dump the programs' LLO and give each kernel its bundle count
+            (:attr:`OpCycles.bundles`); meant with ``xla_ops=False`` (the dump then holds only the
+            kernels).
 
     Returns:
         The :class:`Estimate` (``error`` set when the compile failed).
@@ -535,14 +567,18 @@ def estimate(
     work = tempfile.mkdtemp(prefix="gdn2_profile_")
     try:
         return _estimate_in(
-            work, program, tpu, kernels, xla_ops, extra_flags, timeout_s, max_rss_gb
+            work, program, tpu, kernels, xla_ops, extra_flags, timeout_s, max_rss_gb, bundles
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _estimate_in(work, program, tpu, kernels, xla_ops, extra_flags, timeout_s, max_rss_gb):
+def _estimate_in(work, program, tpu, kernels, xla_ops, extra_flags, timeout_s, max_rss_gb,
+                 bundles=False):  # fmt: skip
     profile_dir = os.path.join(work, "profile")
+    llo_dir = os.path.join(work, "llo")
+    if bundles:
+        extra_flags = [*extra_flags, *llo_dump_flags(llo_dir)]
     only: str | None = None
     if not (kernels and xla_ops):  # a plain compile names the ops to profile
         code, log = _compile_child(program, tpu, work, list(extra_flags), timeout_s, max_rss_gb)
@@ -583,6 +619,9 @@ def _estimate_in(work, program, tpu, kernels, xla_ops, extra_flags, timeout_s, m
     meta = json.loads(_read(work, "meta.json"))
     _, unknown_loops = run_counts(hlo)
     ops = profiled_ops(profile_dir, hlo, meta["kernels"])
+    for op in ops if bundles else ():
+        if op.kernel:
+            op.bundles = program_bundles(llo_dir, op.name)
     profiled = {op.name for op in ops}
     unprofiled = {k: v for k, v in unprofiled.items() if k not in profiled}
     return Estimate(program, tpu, ops, meta["temp_bytes"], unprofiled, unknown_loops,
@@ -622,15 +661,18 @@ def estimate_fit(program: Program, tpu: str, points: Sequence[tuple[int, int]], 
         **kw: passed to :func:`estimate`.
 
     Returns:
-        The combined :class:`Estimate`; each kernel's ``fit`` holds its points and residual.
+        The combined :class:`Estimate`; each kernel's ``fit`` holds its points and residual, and
+        its ``bundles`` the length of its program at the middle point (a kernel's program is
+        one grid step: its length does not grow with the shape).
     """
     target = estimate(program, tpu, kernels=False, **kw)
     if target.error:
         return target
     small = [
-        estimate(program.at(b, t), tpu, xla_ops=False, extra_flags=[NO_MSA_FLAG], **kw)
-        for b, t in points
-    ]
+        estimate(program.at(b, t), tpu, xla_ops=False, extra_flags=[NO_MSA_FLAG],
+                 bundles=i == len(points) // 2, **kw)
+        for i, (b, t) in enumerate(points)
+    ]  # fmt: skip
     for s in small:
         if s.error:
             target.error = f"fit point B={s.program.B} T={s.program.T}: {s.error}"
@@ -646,10 +688,12 @@ def estimate_fit(program: Program, tpu: str, points: Sequence[tuple[int, int]], 
             target.error = f"kernel {name}: fewer than two fit points"
             continue
         cycles, per_token, resid = fit_line([p for p, _ in pts], [c for _, c in pts], x)
+        length = [op.bundles for s in small for op in s.ops if op.name == name and op.bundles]
         target.ops.append(
             OpCycles(
                 name, round(cycles), 1, True,
                 fit={"points": pts, "cycles_per_token": per_token, "max_rel_residual": resid},
+                bundles=length[0] if length else None,
             )
         )  # fmt: skip
     return target

@@ -7,6 +7,10 @@ The Pallas kernels are simulated at :data:`FIT_POINTS` (at B=2 for an even batch
 TensorCores, :func:`fit_points`) and extrapolated linearly in ``B * T``;
 each kernel's line prints its fit's points and largest relative residual, and a row whose fit has
 fewer than three points or a residual above :data:`MAX_FIT_RESIDUAL` is flagged (exit status 1).
+Each kernel's line also prints its program's length in bundles (the compiler's schedule of one
+grid step, dumped at the middle fit point), and a kernel whose program is longer than
+:data:`~gdn2_tools.static_profile.LONGEST_FAST_PROGRAM` flags its row too: on a TPU v5e such
+programs ran 2.2x to 2.4x their estimate, a cost the profile does not price.
 
 Every figure here is a compiler estimate, not a measurement (no TPU is used); on real kernels it
 has been about 1.3x optimistic, so compare ratios. The roofline is docs/algorithm.md section 9:
@@ -25,7 +29,15 @@ from collections.abc import Sequence
 from typing import Final
 
 from gdn2_tools.chips import CHIPS
-from gdn2_tools.static_profile import LABEL, Estimate, Program, estimate, estimate_fit, preset
+from gdn2_tools.static_profile import (
+    LABEL,
+    LONGEST_FAST_PROGRAM,
+    Estimate,
+    Program,
+    estimate,
+    estimate_fit,
+    preset,
+)
 from gdn2_tools.tpu import SCALAR_GATES
 
 #: bf16 matmul FLOP/s and HBM bytes/s per chip (chips.py).
@@ -106,6 +118,8 @@ class Row:
     #   bytes (its CostEstimate)
     hbm_bytes: int = 0  # the whole program's: every op's operands and results (XLA ops) or its
     #   CostEstimate (kernels), times its runs
+    bundles: dict[str, int] = dataclasses.field(default_factory=dict)  # kernel name -> its
+    #   program's length in the compiler's schedule (at the middle fit point)
 
 
 def row_of(program: Program, tpu: str, C: int) -> Row:
@@ -149,13 +163,23 @@ def row_of(program: Program, tpu: str, C: int) -> Row:
                 f"kernel {op.name}: its HBM bytes take {floor_ms:.3f} ms at {bandwidth / 1e9:.0f} "
                 f"GB/s, more than its profile's {profile_ms:.3f} ms: counted at its bytes"
             )
+    bundles = {op.name: op.bundles for op in e.ops if op.kernel and op.bundles}
+    long_programs = [name for name, n in bundles.items() if n > LONGEST_FAST_PROGRAM]
+    for name in long_programs:
+        notes.append(
+            f"kernel {name}: its program is {bundles[name]:,} bundles, longer than any a TPU v5e "
+            f"ran at its estimate's speed ({LONGEST_FAST_PROGRAM:,}; from 69,237 they ran 2.2x to "
+            "2.4x as long): the profile does not price that, this kernel may take twice its "
+            "estimate"
+        )
     if program.value_heads and program.value_heads != program.H:
         notes.append(f"roofline: the plain call on {program.value_heads} heads (no sharing)")
     temp = e.temp_bytes / 2**20 if e.temp_bytes is not None else None
     total_bytes = sum(e.op_bytes.get(op.name, 0) * op.times for op in e.ops)
     return Row(
         program, tpu, e.ms() + added_ms, roofline_ms(program, tpu, C),
-        e.trustworthy and not bad_fits, temp, kernels, notes, fits, kernel_bytes, total_bytes,
+        e.trustworthy and not bad_fits and not long_programs, temp, kernels, notes, fits,
+        kernel_bytes, total_bytes, bundles,
     )  # fmt: skip
 
 
@@ -183,6 +207,7 @@ def print_row(row: Row, reference: Row | None = None, forward: Row | None = None
     for name, ms in sorted(row.kernels.items(), key=lambda kv: -kv[1]):
         fit = row.fits.get(name)
         how = f"; fit of {fit[0]} points, residual {100 * fit[1]:.2f}%" if fit else ""
+        how += f"; program {row.bundles[name]:,} bundles" if name in row.bundles else ""
         hbm = row.kernel_bytes.get(name, 0)
         print(f"    kernel {name}: {ms:.3f} ms; HBM {hbm / 1e6:.1f} MB ({hbm / bandwidth * 1e3:.3f} ms "
               f"at {bandwidth / 1e9:.0f} GB/s){how}")  # fmt: skip
@@ -190,8 +215,9 @@ def print_row(row: Row, reference: Row | None = None, forward: Row | None = None
         print(f"    note: {note}")
     if not row.trustworthy:
         print(
-            "    WARNING: part of this program was not profiled or not modelled, or a kernel's "
-            "fit is poor (notes above)"
+            "    WARNING: part of this program was not profiled or not modelled, a kernel's "
+            "fit is poor or its program longer than any measured at its estimate's speed (notes "
+            "above)"
         )
 
 
