@@ -136,13 +136,14 @@ def test_eight_heads_token_major_compile_in_place(dtype):
     assert train.memory_analysis().temp_size_in_bytes <= o_bytes + residuals + 2**20
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_train_step_saves_the_step_states_in_the_inputs_dtype(dtype):
+@pytest.mark.parametrize(("dtype", "steps"), [("float32", 64), ("bfloat16", 32)])
+def test_train_step_saves_the_step_states_in_the_inputs_dtype(dtype, steps):
     """The training forward saves the state entering every grid step but the first (h0) for the
     backward: in bfloat16 for bfloat16 inputs (half the bytes of the longest-lived residual at
     long context), in float32 for float32 inputs (B1 T4096 H16 d128 on v5e: the training plan's
-    8 heads x 2 chunks of 64 tokens a step, 32 steps, 31 states saved). The same array is the
-    backward kernel's operand."""
+    8 heads x 2 chunks of 64 tokens a step in bfloat16, 32 steps, 31 states saved; x 1 chunk in
+    float32, whose backward program the bound allows no more, 64 steps, 63 saved). The same array
+    is the backward kernel's operand."""
     from gdn2_pallas_tpu.plan import make_plan
     from gdn2core.ops.forward.spec import OpSpec
 
@@ -153,7 +154,7 @@ def test_train_step_saves_the_step_states_in_the_inputs_dtype(dtype):
     text = compiled.as_text()
     states = f"[1,{plan.head_groups},{plan.saved_states},{plan.hb},128,128]"
     kept, other = ("bf16", "f32") if dtype == "bfloat16" else ("f32", "bf16")
-    assert (plan.head_groups, plan.n_steps, plan.saved_states, plan.hb) == (2, 32, 31, 8)
+    assert (plan.head_groups, plan.n_steps, plan.saved_states, plan.hb) == (2, steps, steps - 1, 8)
     assert kept + states in text and other + states not in text
 
 
