@@ -100,6 +100,16 @@ def report(u: Utilization, segments: int = 0) -> str:
     return "\n".join(lines)
 
 
+def read_dump(directory: str, op: str) -> Utilization | None:
+    """The utilization of ``op``'s scheduled program in the LLO dump in ``directory``
+    (:func:`gdn2_tools.static_profile.llo_dump_flags`), or None without its file."""
+    found = sorted(glob.glob(os.path.join(directory, UTILIZATION_GLOB.format(op=op))))
+    if not found:
+        return None
+    with open(found[0]) as f:
+        return parse(f.read())
+
+
 def measure(program: static_profile.Program, tpu: str, kernel: str) -> Utilization:
     """Compile ``program`` for ``tpu`` (in a child process) with the LLO dump of the Pallas
     kernel whose HLO name starts with ``kernel`` (e.g. ``gdn2_bwd``) and read its utilization."""
@@ -115,11 +125,10 @@ def measure(program: static_profile.Program, tpu: str, kernel: str) -> Utilizati
         dump = os.path.join(work, "llo")
         flags = [*static_profile.llo_dump_flags(dump), f"{static_profile.ONLY_FLAG}{ops[0]}=true"]
         code, log = static_profile._compile_child(program, tpu, work, flags, 1800, 12.0)
-        found = sorted(glob.glob(os.path.join(dump, UTILIZATION_GLOB.format(op=ops[0]))))
-        if not found:
+        u = read_dump(dump, ops[0])
+        if u is None:
             raise RuntimeError(f"libtpu wrote no utilization file for {ops[0]} ({code})")
-        with open(found[0]) as f:
-            return parse(f.read())
+        return u
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -527,13 +527,8 @@ def program_bundles(directory: str, op: str) -> int | None:
     (:func:`llo_dump_flags`), or None without its utilization file."""
     from gdn2_tools import llo_utilization  # it reads the dump; it imports this module
 
-    found = sorted(
-        glob.glob(os.path.join(directory, llo_utilization.UTILIZATION_GLOB.format(op=op)))
-    )
-    if not found:
-        return None
-    with open(found[0]) as f:
-        return llo_utilization.parse(f.read()).bundles
+    u = llo_utilization.read_dump(directory, op)
+    return None if u is None else u.bundles
 
 
 def estimate(
