@@ -50,8 +50,10 @@ unit by the precision of the products and the layout, measured, scaled by ``dk +
 256) keeps within :data:`MAX_BACKWARD_BUNDLES`: 24 units of C = 64 at 6 heads in bfloat16, 12
 in float32, 16 at 16 heads (token-major steps of 8 heads x 2 chunks) in bfloat16, 8 (8 x 1) in
 float32 or with 256-wide value heads; on every target (v6e's twice-as-long steps too: their programs
-would be longer still). Token-major steps keep their 8 heads, so a step of one chunk can still be
-over the bound (float32 with 256-wide value heads: 66,240 by the model; not measured). Fewer
+would be longer still). Token-major steps keep their 8 heads, so a step of one chunk can be over
+the bound by the model: float32 with 256-wide value heads, 66,240, where the compiler's schedule
+has 60,817 bundles (B=1 T=1024 H=16 dv=256; 60,490 with 32 value heads of 128), within the
+longest measured fast program (tests/pallas_tpu/test_program_length.py; not timed on a chip). Fewer
 chunks a step save more states (module docstring above: the floor): at B=1 T=32768 H=16 the
 float32 train step saves 639 MiB and the one with 32 value heads 575 (383 and 319 at 2 chunks a
 step, a backward 2.4x and 2.2x slower); a model that recomputes its layers in the backward
