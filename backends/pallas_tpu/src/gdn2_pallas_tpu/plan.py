@@ -53,7 +53,8 @@ float32 or with 256-wide value heads; on every target (v6e's twice-as-long steps
 would be longer still). Token-major steps keep their 8 heads, so a step of one chunk can be over
 the bound by the model: float32 with 256-wide value heads, 66,240, where the compiler's schedule
 has 60,817 bundles (B=1 T=1024 H=16 dv=256; 60,490 with 32 value heads of 128), within the
-longest measured fast program (tests/pallas_tpu/test_program_length.py; not timed on a chip). Fewer
+longest measured fast program (tests/pallas_tpu/test_program_length.py), and it ran at its
+estimate on a TPU v5e (docs/results.md, "A sixth run"). Fewer
 chunks a step save more states (module docstring above: the floor): at B=1 T=32768 H=16 the
 float32 train step saves 639 MiB and the one with 32 value heads 575 (383 and 319 at 2 chunks a
 step, a backward 2.4x and 2.2x slower); a model that recomputes its layers in the backward
