@@ -6,7 +6,9 @@ gradient of the state leaving the step, dS ``[hb, K, V]`` float32, is carried in
 A step recomputes phase A of its ``U = hb nc`` units from the inputs and the saved ``T``, ``A_qk``
 (no score or inverse products), the entry states of its chunks from the saved step entry state
 (h0 at step 0; ``nc - 1`` updates), then runs the reverse state pass over its ``nc`` chunks and
-the chunk-parallel gradients of all units at once.
+the chunk-parallel gradients of all units at once. A plan with ``loop_heads`` runs its step's
+heads in a loop of head-major steps of ``loop_heads`` heads instead (:func:`_head_loop`), so that
+the program holds one iteration's code (plan.py, "Training steps").
 
 dg has no exact self-pair terms (factor exp(0)): the diagonal of ``A_qk`` carries no gradient to Γ,
 and ``K̃`` enters dg through an exclusive forward cumsum. Adding such terms to dΓ only to cancel
@@ -29,7 +31,7 @@ from gdn2_pallas_tpu import blocks, refs, state_writes, varlen
 from gdn2_pallas_tpu import chunk_math as cm
 from gdn2_pallas_tpu.cost import cost_backward
 from gdn2_pallas_tpu.matmul import MatmulPrecision, mm, mm_nt, mm_tn, traced_for
-from gdn2_pallas_tpu.plan import Plan
+from gdn2_pallas_tpu.plan import Layout, Plan
 
 F32 = jnp.float32
 GRAD_NAMES = ("dq", "dk", "dv", "dw", "db", "dg")
@@ -75,6 +77,9 @@ class BackwardRefs:
     stages: tuple | None  # [hb, nc C, d] gradient staging for the DMAs (HEAD_MAJOR), one per
     #   gradient but a scalar gate's; [G, nc C, hb, V / G] for dv, dw (grouped values)
     sems: object | None  # DMA semaphores (6, hb) (HEAD_MAJOR), or (6, G) (grouped values)
+    looped_in: tuple | None  # [hb, nc C, d] the step's q, k, v, w, b, g, dO head-major, in their
+    #   dtype (a scalar gate's broadcast to d; plan.loop_heads, _head_loop)
+    looped_out: tuple | None  # [hb, nc C, d] f32 the step's six gradients (plan.loop_heads)
 
 
 def _backward_kernel(r: BackwardRefs, *, plan: Plan):
@@ -82,6 +87,9 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
     def _():
         r.dS[...] = r.dh_final[...]
 
+    if plan.loop_heads:
+        _head_loop(r, plan)
+        return
     if not plan.runtime_merged_blocks:
         _step(r, plan, plan.merged_block)
         return
@@ -95,12 +103,95 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
     )
 
 
-def _step(r: BackwardRefs, plan: Plan, merged: int):
+def _head_loop(r: BackwardRefs, plan: Plan):
+    """The step's heads in a loop of ``hb / hs`` iterations of ``hs = plan.loop_heads`` heads, each
+    the unchanged :func:`_step` of a head-major plan of ``hs`` heads (the program holds one
+    iteration's code: plan.py, "Training steps"). The step's tiles are loaded once, as the step
+    reads them (grouped keys and values, scalar gates), and kept head-major in VMEM in their
+    dtype, so that an iteration's heads are a dynamic offset on a leading axis (on a token block's
+    head axis, its sublanes, Mosaic cannot prove the offset aligned). The gradients are staged
+    head-major in float32 and written after the loop as the whole step's (:func:`_store_grads`).
+    The saved ``T | A_qk^T`` units are head-major (head, chunk), so an iteration's are
+    ``hs nc / pack`` consecutive packed blocks (plan.py keeps ``hs nc`` a multiple of the pack)."""
+    hs, pack = plan.loop_heads, plan.lane_pack
+    assert not plan.varlen and plan.hb % hs == 0 and (hs * plan.nc) % pack == 0, plan
+    sub = dataclasses.replace(
+        plan,
+        hb=hs,
+        loop_heads=0,
+        layout=Layout.HEAD_MAJOR,
+        key_groups=1,
+        value_groups=1,
+        scalar_gates=(),
+    )
+    io = blocks.TokenIO(plan, blocks.reverse_step(plan.n_steps))
+    vio = io.values()
+    head_group = pl.program_id(1)
+    K, V = plan.dk, plan.dv
+    loaded = {
+        "q": io.load_keys(r.q, K, head_group),
+        "k": io.load_keys(r.k, K, head_group),
+        "v": vio.load(r.v, V),
+        "w": blocks.load_gate(r.w, vio, V, "w"),
+        "b": blocks.load_gate(r.b, io, K, "b"),
+        "g": blocks.load_gate(r.g, io, K, "g"),
+        "dO": vio.load(r.dO, V),
+    }  # [U, C, d] f32 each
+    for name, dst in zip(LOOPED_INPUTS, r.looped_in, strict=True):
+        dst[...] = loaded[name].reshape(plan.hb, plan.step_len, -1).astype(dst.dtype)
+
+    def heads_of(x, h):  # a per-head ref's hs heads from h, or None
+        return None if x is None else x.at[pl.ds(h, hs)]
+
+    def body(i, carry):
+        h = pl.multiple_of(i * hs, hs)  # the iteration's first head
+        n_packed = hs * plan.nc // pack  # its packed T | A_qk^T blocks
+        first = pl.multiple_of(i * n_packed, n_packed)
+        tiles = {  # each input's hs heads, one [nc C, d] ref per head (a head-major plan's tiles)
+            n: tuple(x.at[h + j] for j in range(hs))
+            for n, x in zip(LOOPED_INPUTS, r.looped_in, strict=True)
+        }
+        sr = dataclasses.replace(
+            r, **tiles, TA=r.TA.at[pl.ds(first, n_packed)], state_in=heads_of(r.state_in, h),
+            h0=heads_of(r.h0, h), dh_final=heads_of(r.dh_final, h), dh0=heads_of(r.dh0, h),
+            dS=heads_of(r.dS, h), gate_params=heads_of(r.gate_params, h),
+            d_gate=heads_of(r.d_gate, h), stages=None, sems=None,
+        )  # fmt: skip
+
+        def sink(grads):  # [hs nc, C, d] each -> the stages' heads h .. h + hs - 1
+            for x, stage in zip(grads, r.looped_out, strict=True):
+                stage[pl.ds(h, hs)] = x.reshape(hs, plan.step_len, x.shape[-1])
+
+        if not sub.runtime_merged_blocks:
+            _step(sr, sub, sub.merged_block, sink)
+        else:  # the iteration's own decay bound picks its blocking
+            sio = blocks.TokenIO(sub, blocks.reverse_step(sub.n_steps))
+            g = blocks.load_gate(sr.g, sio, K, "g")  # [hs nc, C, K]
+            gp = None if sr.gate_params is None else blocks.load_gate_params(sr.gate_params, sub)
+            cm.by_decay_bound(
+                act.step_decay_bound(g, gp, sub),
+                sub.runtime_merged_blocks,
+                lambda merged: _step(sr, sub, merged, sink),
+            )
+        return carry
+
+    jax.lax.fori_loop(0, plan.hb // hs, body, 0)
+    grads = [x[...].reshape(plan.units, plan.C, x.shape[-1]) for x in r.looped_out]  # [U, C, d]
+    _store_grads(r, plan, grads)
+
+
+#: The inputs a looped step stages head-major (:func:`_head_loop`), in its refs' order.
+LOOPED_INPUTS = ("q", "k", "v", "w", "b", "g", "dO")
+
+
+def _step(r: BackwardRefs, plan: Plan, merged: int, sink=None):
     """One grid step after the carried dS: phase A again, the reverse state pass, the gradients;
-    ``merged``: the rows of the blocks whose levels merge (1: none; chunk_math.decay_levels)."""
+    ``merged``: the rows of the blocks whose levels merge (1: none; chunk_math.decay_levels);
+    ``sink``: where the gradients ``[U, C, d]`` go (None: the step's outputs, :func:`_store_grads`;
+    an iteration of :func:`_head_loop`: its float32 stages)."""
     io = blocks.TokenIO(plan, blocks.reverse_step(plan.n_steps))
     vio = io.values()  # v, w, dO, dv, dw: the caller's grouped values with plan.value_groups
-    batch, head_group, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    head_group, i = pl.program_id(1), pl.program_id(2)
     n_steps = pl.num_programs(2)
     step = n_steps - 1 - i
     C, K, V, p, scale = plan.C, plan.dk, plan.dv, plan.precisions, plan.scale
@@ -239,6 +330,20 @@ def _step(r: BackwardRefs, plan: Plan, merged: int):
         if partial is not None:
             r.d_gate[...] = blocks.per_head_sums(partial, plan)  # [hb, 2, K]
     grads = (dq, dk, dv, dw, db, dg)
+    if sink is None:
+        _store_grads(r, plan, grads)
+    else:
+        sink(grads)
+    if seqs is not None:  # the last step waits for the dh0 writes still in flight
+        seqs.writes.close()
+
+
+def _store_grads(r: BackwardRefs, plan: Plan, grads) -> None:
+    """The step's gradients [U, C, d] to their outputs."""
+    batch, head_group = pl.program_id(0), pl.program_id(1)
+    step = plan.n_steps - 1 - pl.program_id(2)
+    io = blocks.TokenIO(plan, blocks.reverse_step(plan.n_steps))
+    vio = io.values()
     stages = iter(r.stages or ())  # the staged gradients' buffers, in order
     staged = []  # their writes, started together (blocks.write_staged)
     for m, (x, out) in enumerate(zip(grads, r.grads, strict=True)):
@@ -256,8 +361,6 @@ def _step(r: BackwardRefs, plan: Plan, merged: int):
             tiles.store(x, out, None, sems, batch, head_group, step)
     if staged:
         blocks.write_staged(staged)
-    if seqs is not None:  # the last step waits for the dh0 writes still in flight
-        seqs.writes.close()
 
 
 def backward_call(
@@ -296,6 +399,10 @@ def backward_call(
     res = (B, plan.head_groups, plan.n_steps)  # residuals: one block per grid step
     packed = blocks.residual_spec(plan, plan.residual_block, step_of)  # T | A_qk^T
     entry = blocks.saved_state_spec(plan, step_of)  # step entry states but step 0's
+    # the looped step's head-major tiles (in their dtype) and float32 gradients (_head_loop)
+    ins = zip((K, K, V, V, K, K, V), (q, k, v, w, b, g, dO), strict=True)
+    looped_in = [pltpu.VMEM((hb, plan.step_len, d), x.dtype) for d, x in ins]
+    looped_out = [pltpu.VMEM((hb, plan.step_len, d), F32) for d in dims]
     kernel_refs = refs.Table(
         refs.Input("q", qk, q),
         refs.Input("k", qk, k),
@@ -339,6 +446,8 @@ def backward_call(
             "stages", grad_stages or None
         ),
         refs.Scratch("sems", vio.out_sems(len(dims))),
+        refs.Scratch("looped_in", on(plan.loop_heads, looped_in)),
+        refs.Scratch("looped_out", on(plan.loop_heads, looped_out)),
     )
     return pl.pallas_call(
         kernel_refs.kernel(

@@ -54,11 +54,25 @@ would be longer still). Token-major steps keep their 8 heads, so a step of one c
 the bound by the model: float32 with 256-wide value heads, 66,240, where the compiler's schedule
 has 60,817 bundles (B=1 T=1024 H=16 dv=256; 60,490 with 32 value heads of 128), within the
 longest measured fast program (tests/pallas_tpu/test_program_length.py), and it ran at its
-estimate on a TPU v5e (docs/results.md, "A sixth run"). Fewer
-chunks a step save more states (module docstring above: the floor): at B=1 T=32768 H=16 the
-float32 train step saves 639 MiB and the one with 32 value heads 575 (383 and 319 at 2 chunks a
-step, a backward 2.4x and 2.2x slower); a model that recomputes its layers in the backward
-(``jax.checkpoint``) holds one layer's at a time.
+estimate on a TPU v5e (docs/results.md, "A sixth run").
+
+Where the cap leaves one chunk a step (16 heads with float32 inputs or 256-wide value heads), the
+backward loops over its step's heads instead (:func:`training_blocking`; kernels_bwd._head_loop):
+the step takes 2 chunks, and its program holds one iteration's code, a head-major step of ``hb / 2``
+heads x 2 chunks (as many units as the unlooped step of one chunk), and the staging of the step's
+tiles (:func:`looped_backward_bundles`; 40,821 bundles in float32, 33,304 with 256-wide value heads,
+against 43,469 and 35,173 unlooped at one chunk). The training forward does not loop, so it must fit
+the bound at 2 chunks by its own model (:func:`forward_bundles`): float32 with 256-wide value heads
+does not (66,720 bundles by the model at 8 x 2; it did not finish in the chip driver's 130 s) and
+keeps 1 chunk. On a TPU v5e (docs/results.md, "A sixth run", the prototype, and "A seventh run",
+this code) the loop of 2 iterations made the train step 3.7% (32 value heads, bfloat16) and 4.7%
+(float32) faster than 1 chunk a step, its forward running 16% and 9% faster at 2 chunks, and halved
+the saved states: at B=1 T=32768 H=16 the float32 train step saves 383 MiB (639 at one chunk) and
+the one with 32 value heads 319 (575). A step of 2 chunks that the cap already allows does not loop
+to take 4: for 16 heads in bfloat16 it cost 4% of the train step for 191.5 -> 127.5 MiB of
+residuals. A ``cu_seqlens`` row does not loop (its per-sequence state DMAs are the step's). Fewer
+chunks a step save more states (module docstring above: the floor); a model that recomputes its
+layers in the backward (``jax.checkpoint``) holds one layer's at a time.
 
 The sequence is padded at the end with zero tokens (``k = 0, g = 0`` leave the state unchanged) to
 a whole number of steps, ``t_pad = ceil(T / (nc C)) nc C``.
@@ -129,6 +143,30 @@ BACKWARD_BUNDLES_PER_UNIT: Final = {
     (False, "head-major"): 4_780,  # H=6 float32: 57,265 at 6 x 2, 113,228 at 6 x 4
     (False, "token-major"): 5_520,  # H=16 float32: 88,296 at 8 x 2
 }
+#: Length of the training forward's program (``gdn2_fwd_train``) in bundles per unit of 64 rows
+#: with ``dk + dv = 256`` (scaled as :func:`backward_bundles`), by whether its products are single
+#: bfloat16 passes and by the layout: the largest per unit of ``python -m gdn2_tools.llo_utilization
+#: --mode train --kernel gdn2_fwd_train -B 1 -T 1024`` measured: bfloat16 50,860 at 16 heads, 8 x 4
+#: (1,589), 2,378 per unit of 256-wide value heads (1,585 scaled); float32 62,881 at 6 heads x 4
+#: chunks (2,621), 33,321 at 8 x 1 with 256-wide value heads (4,165 per unit, 2,777 scaled). A
+#: head-major bfloat16 forward was not measured: the token-major figure stands for it. On a TPU
+#: v5e the float32 forward of 16 heads ran 2.4x slower at 8 x 4 than at 8 x 2 (the model: 88,960
+#: and 44,480 bundles; docs/results.md, "A sixth run").
+FORWARD_BUNDLES_PER_UNIT: Final = {
+    (True, "head-major"): 1_590,
+    (True, "token-major"): 1_590,
+    (False, "head-major"): 2_621,
+    (False, "token-major"): 2_780,
+}
+#: Bundles per unit of a looped backward step (:func:`looped_backward_bundles`) beyond its loop's
+#: body (one iteration: a head-major step of ``loop_heads`` heads by
+#: :data:`BACKWARD_BUNDLES_PER_UNIT`): the loads into the head-major stages and the stores after
+#: the loop, by whether the products are single bfloat16 passes. ``llo_utilization --mode train
+#: --kernel gdn2_bwd -B 1 -T 1024 -H 16``: bfloat16, 8 heads x 4 chunks, 50,572 bundles with 4
+#: heads an iteration and 34,930 with 2 (275 and 439 per unit beyond the body), 8 x 2 with
+#: 256-wide value heads and 4 an iteration 33,304 (83 scaled); float32, 8 x 2 with 4 an iteration
+#: 40,821 (161). The largest of each, rounded up.
+LOOP_STAGING_BUNDLES_PER_UNIT: Final = {True: 440, False: 170}
 #: The longest backward program a training plan may have (:func:`max_train_step_rows`): on a TPU
 #: v5e every kernel whose program was at most 62,881 bundles ran within 1.04x its static
 #: estimate, every one of 69,237 or more at 2.2x to 2.4x (module docstring, "Training steps").
@@ -317,6 +355,8 @@ class Plan:
     #   (saved_state_dtype_for; the backward rebuilds the chunks' states from them in float32)
     mxu_depth: int = DEFAULT_MXU_DEPTH  # the target's MXU contraction depth: float32 products
     #   at most half as deep take two passes, not three (matmul.py, mxu_contraction_depth)
+    loop_heads: int = 0  # heads per iteration of the backward step's loop over its heads (0: no
+    #   loop; training_blocking, kernels_bwd._head_loop)
 
     def scalar(self, name: str) -> bool:
         """Whether the kernels read gate ``name`` (and write its gradient) as a scalar gate."""
@@ -513,6 +553,12 @@ def vmem_bytes(plan: Plan, backward: bool) -> dict[str, int]:
         # and the writes' staging buffers (state_writes.py; f32 counted for a pool of any dtype)
         scratch += (2 if backward else 1) * hb * K * V * F32_BYTES
         scratch += state_writes.vmem_bytes((hb, K, V), F32_BYTES)
+    if backward and plan.loop_heads:  # the looped step's head-major inputs (a scalar gate's
+        # broadcast to d in float32) and its float32 gradients (kernels_bwd._head_loop)
+        staged = sum({"w": V, "b": K, "g": K}[n] * (F32_BYTES - s) for n in plan.scalar_gates)
+        staged += (F32_BYTES - s) * K if plan.float32_decay and not plan.scalar("g") else 0
+        scratch += hb * plan.step_len * (n_in * s + staged + n_out * F32_BYTES)
+        U = plan.loop_heads * plan.nc  # one iteration's units are live at a time
     lcn = math.log2(C)
     if backward:  # ~30 [C, K] + ~10 [C, V] + ~12 [C, C] live per unit, 2 states per unit
         live = F32_BYTES * U * (30 * C * K + 10 * C * V + 12 * C * C + 2 * K * V)
@@ -551,24 +597,59 @@ def max_train_step_rows(layout: Layout, dk: int, dv: int, precisions: Precisions
     return 64 * max(1, int(MAX_BACKWARD_BUNDLES // unit))
 
 
-def training_chunks(nc: int, n_chunks: int, hb: int, spec: OpSpec, C: int, precisions: Precisions,
-                    layout: Layout, floor: bool = True) -> int:  # fmt: skip
-    """Chunks a step of a training plan takes, from the planned ``nc``: with ``floor``, at least
-    ``dv / C`` and ``dk dv / C^2`` (the smallest divisor of ``n_chunks`` from there, else padded;
-    the saved states' bytes, module docstring); then at most :func:`max_train_step_rows` rows
-    (a divisor of ``n_chunks`` where one is at least half of that, else padded), which wins over
-    the floor."""
+def forward_bundles(rows: int, layout: Layout, dk: int, dv: int,
+                    precisions: Precisions) -> float:  # fmt: skip
+    """The model of the training forward's program length, in bundles, for a grid step of
+    ``rows``: :data:`FORWARD_BUNDLES_PER_UNIT` per 64 rows, scaled as :func:`backward_bundles`."""
+    single = precisions == Precisions.uniform(MatmulPrecision.BF16)
+    per_unit = FORWARD_BUNDLES_PER_UNIT[(single, layout.value)]
+    return rows / 64 * max(1.0, (dk + dv) / 256) * per_unit
+
+
+def looped_backward_bundles(hb: int, loop_heads: int, nc: int, C: int, dk: int, dv: int,
+                            precisions: Precisions) -> float:  # fmt: skip
+    """The model of a looped backward step's program (``hb`` heads x ``nc`` chunks in iterations
+    of ``loop_heads`` heads; kernels_bwd._head_loop): one iteration's head-major step by
+    :func:`backward_bundles`, and :data:`LOOP_STAGING_BUNDLES_PER_UNIT` per unit of the step."""
+    single = precisions == Precisions.uniform(MatmulPrecision.BF16)
+    body = backward_bundles(loop_heads * nc * C, Layout.HEAD_MAJOR, dk, dv, precisions)
+    staging = hb * nc * C / 64 * max(1.0, (dk + dv) / 256) * LOOP_STAGING_BUNDLES_PER_UNIT[single]
+    return body + staging
+
+
+def training_blocking(nc: int, n_chunks: int, hb: int, spec: OpSpec, C: int,
+                      precisions: Precisions, layout: Layout,
+                      floor: bool = True) -> tuple[int, int]:  # fmt: skip
+    """Chunks a step of a training plan takes, from the planned ``nc``, and the heads of an
+    iteration of the backward step's loop over its heads (0: no loop). With ``floor``, at least
+    ``dv / C`` and ``dk dv / C^2`` chunks (the smallest divisor of ``n_chunks`` from there, else
+    padded; the saved states' bytes, module docstring); then at most :func:`max_train_step_rows`
+    rows (a divisor of ``n_chunks`` where one is at least half of that, else padded), which wins
+    over the floor. Where that cap leaves one chunk a step and the floor asks for more, the
+    backward loops over its heads (``hb / 2`` an iteration, with ``floor``: not for a
+    ``cu_seqlens`` row) and the step takes 2 chunks, if the training forward's program
+    (:func:`forward_bundles`) and the looped backward's (:func:`looped_backward_bundles`) stay
+    within :data:`MAX_BACKWARD_BUNDLES` (module docstring, "Training steps")."""
     cap = min(MAX_CHUNKS_PER_STEP, n_chunks)
     if floor:
         nc_min = min(cap, max(-(-spec.dv // C), -(-spec.dk * spec.dv // (C * C))))
         if nc < nc_min:
             nc = next((d for d in range(nc_min, cap + 1) if n_chunks % d == 0), nc_min)
     nc_code = max(1, max_train_step_rows(layout, spec.dk, spec.dv, precisions) // (hb * C))
-    if nc > nc_code:
-        nc = max(d for d in range(1, nc_code + 1) if n_chunks % d == 0)
-        if nc < nc_code // 2:
-            nc = nc_code
-    return nc
+    if nc <= nc_code:
+        return nc, 0
+    hs = hb // 2
+    forward = forward_bundles(hb * 2 * C, layout, spec.dk, spec.dv, precisions)
+    backward = looped_backward_bundles(hb, hs, 2, C, spec.dk, spec.dv, precisions)
+    whole_rows = (hs * 2) % max(1, NUM_LANES // C) == 0  # an iteration's packed T | A_qk rows
+    looped = floor and nc_code == 1 and hb % 2 == 0 and whole_rows
+    looped = looped and max(forward, backward) <= MAX_BACKWARD_BUNDLES
+    if looped:
+        return 2, hs
+    nc = max(d for d in range(1, nc_code + 1) if n_chunks % d == 0)
+    if nc < nc_code // 2:
+        nc = nc_code
+    return nc, 0
 
 
 def make_plan(
@@ -616,8 +697,9 @@ def make_plan(
     nc = max(d for d in range(1, nc_max + 1) if n_chunks % d == 0)
     if nc < nc_max // 2:  # e.g. a prime number of chunks: pad rather than lose the batching
         nc = nc_max
+    loop_heads = 0
     if training:  # the saved states' floor (not for a cu_seqlens row), the program's cap
-        nc = training_chunks(nc, n_chunks, hb, spec, C, precs, layout, floor=not n_seqs)
+        nc, loop_heads = training_blocking(nc, n_chunks, hb, spec, C, precs, layout, not n_seqs)
     while True:
         plan = Plan(
             batch=spec.batch,
@@ -644,10 +726,12 @@ def make_plan(
             uniform_gate=spec.uniform_gate,
             float32_decay=spec.float32_decay,
             saved_state_dtype=saved_state_dtype_for(precs),
+            loop_heads=loop_heads,
         )
         need = max(vmem_bytes(plan, False)["total"], vmem_bytes(plan, True)["total"])
         if need <= budget or (nc == 1 and hb == 1):
             return plan
+        loop_heads = 0  # the step's heads unlooped (a smaller step needs no loop)
         if nc > 1:
             nc //= 2
         else:  # fewer heads per step: the token-major blocks need 8
@@ -696,7 +780,7 @@ def varlen_plan(spec: OpSpec, config: KernelConfig, vmem_capacity: int, activati
                 training: bool = False) -> Plan:  # fmt: skip
     """The plan of a ``cu_seqlens`` call: the chunk-aligned row of ``spec.n_seqs`` sequences
     (varlen.py), one batch row; ``training``: a trainable call's (the program's cap on a step's
-    rows, :func:`training_chunks`, without the saved states' floor)."""
+    rows, :func:`training_blocking`, without the saved states' floor)."""
     from gdn2_pallas_tpu import varlen
 
     plan = make_plan(spec, config, vmem_capacity, activations=activations, n_seqs=spec.n_seqs,
