@@ -63,7 +63,7 @@ heads x 2 chunks (as many units as the unlooped step of one chunk), and the stag
 tiles (:func:`looped_backward_bundles`; 40,821 bundles in float32, 33,304 with 256-wide value heads,
 against 43,469 and 35,173 unlooped at one chunk). The training forward does not loop, so it must fit
 the bound at 2 chunks by its own model (:func:`forward_bundles`): float32 with 256-wide value heads
-does not (66,720 bundles by the model at 8 x 2; it did not finish in the chip driver's 130 s) and
+does not (72,720 bundles by the model at 8 x 2; it did not finish in the chip driver's 130 s) and
 keeps 1 chunk. On a TPU v5e (docs/results.md, "A sixth run", the prototype, and "A seventh run",
 this code) the loop of 2 iterations made the train step 3.7% (32 value heads, bfloat16) and 4.7%
 (float32) faster than 1 chunk a step, its forward running 16% and 9% faster at 2 chunks, and halved
@@ -145,18 +145,19 @@ BACKWARD_BUNDLES_PER_UNIT: Final = {
 }
 #: Length of the training forward's program (``gdn2_fwd_train``) in bundles per unit of 64 rows
 #: with ``dk + dv = 256`` (scaled as :func:`backward_bundles`), by whether its products are single
-#: bfloat16 passes and by the layout: the largest per unit of ``python -m gdn2_tools.llo_utilization
-#: --mode train --kernel gdn2_fwd_train -B 1 -T 1024`` measured: bfloat16 50,860 at 16 heads, 8 x 4
-#: (1,589), 2,378 per unit of 256-wide value heads (1,585 scaled); float32 62,881 at 6 heads x 4
-#: chunks (2,621), 33,321 at 8 x 1 with 256-wide value heads (4,165 per unit, 2,777 scaled). A
-#: head-major bfloat16 forward was not measured: the token-major figure stands for it. On a TPU
-#: v5e the float32 forward of 16 heads ran 2.4x slower at 8 x 4 than at 8 x 2 (the model: 88,960
-#: and 44,480 bundles; docs/results.md, "A sixth run").
+#: bfloat16 passes and by the layout: the largest per unit measured (``python -m
+#: gdn2_tools.llo_utilization --mode train --kernel gdn2_fwd_train -B 1 -T 1024``, or the program
+#: ``gdn2 tpu-report --estimate`` prints): bfloat16 50,860 at 16 heads, 8 x 4 (1,589), 32,064 at
+#: 8 x 2 with 256-wide value heads (1,336 scaled); float32 62,881 at 6 heads x 4 chunks (2,621),
+#: 48,479 at 8 x 2 (3,030), 33,321 at 8 x 1 with 256-wide value heads (2,777 scaled). A head-major
+#: bfloat16 forward was not measured: the token-major figure stands for it. On a TPU v5e the
+#: float32 forward of 16 heads ran 2.4x slower at 8 x 4 than at 8 x 2 (the model: 96,960 and
+#: 48,480 bundles; docs/results.md, "A sixth run").
 FORWARD_BUNDLES_PER_UNIT: Final = {
     (True, "head-major"): 1_590,
     (True, "token-major"): 1_590,
     (False, "head-major"): 2_621,
-    (False, "token-major"): 2_780,
+    (False, "token-major"): 3_030,
 }
 #: Bundles per unit of a looped backward step (:func:`looped_backward_bundles`) beyond its loop's
 #: body (one iteration: a head-major step of ``loop_heads`` heads by
