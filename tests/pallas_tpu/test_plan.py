@@ -212,9 +212,9 @@ def test_program_model_bounds_the_measured_programs_and_sorts_them_as_the_chip_d
 
 #: The training forward's programs measured (``python -m gdn2_tools.llo_utilization --mode train
 #: --kernel gdn2_fwd_train -B 1``, or ``gdn2 tpu-report --estimate``'s program at the long shape;
-#: docs/results.md, "A sixth run" and "A seventh run"): layout, dtype, dv, rows a
-#: step, bundles (None: not compiled for its length), and whether it ran at its estimate's speed
-#: on a TPU v5e (the float32 forward of 16 heads at 8 x 4 took 2.4x its time at 8 x 2; at 8 x 2 with 256-wide
+#: docs/results.md, "A sixth run" and "A seventh run"): layout, dtype, dv, rows a step, bundles
+#: (None: not compiled for its length), and whether it ran at its estimate's speed on a TPU v5e
+#: (the float32 forward of 16 heads at 8 x 4 took 2.4x its time at 8 x 2; at 8 x 2 with 256-wide
 #: value heads it did not finish in the driver's 130 s).
 CHIP_FORWARDS = [
     ("token-major", "bfloat16", 128, 8 * 4 * 64, 50_860, True),

@@ -89,9 +89,15 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
 
     if plan.loop_heads:
         _head_loop(r, plan)
-        return
+    else:
+        _blocked_step(r, plan)
+
+
+def _blocked_step(r: BackwardRefs, plan: Plan, sink=None):
+    """:func:`_step` at the plan's blocking, or at the one its own decays allow
+    (``plan.runtime_merged_blocks``: chunk_math.by_decay_bound)."""
     if not plan.runtime_merged_blocks:
-        _step(r, plan, plan.merged_block)
+        _step(r, plan, plan.merged_block, sink)
         return
     io = blocks.TokenIO(plan, blocks.reverse_step(plan.n_steps))
     g = blocks.load_gate(r.g, io, plan.dk, "g")  # [U, C, K] as given (raw with a gate)
@@ -99,7 +105,7 @@ def _backward_kernel(r: BackwardRefs, *, plan: Plan):
     cm.by_decay_bound(
         act.step_decay_bound(g, gp, plan),
         plan.runtime_merged_blocks,
-        lambda merged: _step(r, plan, merged),
+        lambda merged: _step(r, plan, merged, sink),
     )
 
 
@@ -162,17 +168,7 @@ def _head_loop(r: BackwardRefs, plan: Plan):
             for x, stage in zip(grads, r.looped_out, strict=True):
                 stage[pl.ds(h, hs)] = x.reshape(hs, plan.step_len, x.shape[-1])
 
-        if not sub.runtime_merged_blocks:
-            _step(sr, sub, sub.merged_block, sink)
-        else:  # the iteration's own decay bound picks its blocking
-            sio = blocks.TokenIO(sub, blocks.reverse_step(sub.n_steps))
-            g = blocks.load_gate(sr.g, sio, K, "g")  # [hs nc, C, K]
-            gp = None if sr.gate_params is None else blocks.load_gate_params(sr.gate_params, sub)
-            cm.by_decay_bound(
-                act.step_decay_bound(g, gp, sub),
-                sub.runtime_merged_blocks,
-                lambda merged: _step(sr, sub, merged, sink),
-            )
+        _blocked_step(sr, sub, sink)  # the iteration's own decays pick its blocking
         return carry
 
     jax.lax.fori_loop(0, plan.hb // hs, body, 0)
@@ -400,7 +396,7 @@ def backward_call(
     packed = blocks.residual_spec(plan, plan.residual_block, step_of)  # T | A_qk^T
     entry = blocks.saved_state_spec(plan, step_of)  # step entry states but step 0's
     # the looped step's head-major tiles (in their dtype) and float32 gradients (_head_loop)
-    ins = zip((K, K, V, V, K, K, V), (q, k, v, w, b, g, dO), strict=True)
+    ins = zip((*dims, V), (q, k, v, w, b, g, dO), strict=True)
     looped_in = [pltpu.VMEM((hb, plan.step_len, d), x.dtype) for d, x in ins]
     looped_out = [pltpu.VMEM((hb, plan.step_len, d), F32) for d in dims]
     kernel_refs = refs.Table(

@@ -482,7 +482,7 @@ class Plan:
     def lane_pack(self) -> int:
         """Units side by side in the lanes of a saved ``[C, C]`` matrix: a ``C < 128`` matrix alone
         would be padded to 128 lanes in HBM (twice the bytes at C = 64)."""
-        pack = max(1, NUM_LANES // self.C)
+        pack = lanes_packed(self.C)
         return pack if self.units % pack == 0 else 1
 
     @property
@@ -501,6 +501,11 @@ class Plan:
     def grid(self) -> tuple[int, int, int]:
         """(batch, head group, step): the step axis is last, sequential ("arbitrary")."""
         return (self.batch, self.head_groups, self.n_steps)
+
+
+def lanes_packed(C: int) -> int:
+    """``[C, C]`` matrices side by side in 128 lanes (:attr:`Plan.lane_pack`)."""
+    return max(1, NUM_LANES // C)
 
 
 def precisions_for(dtype: str) -> Precisions:
@@ -578,6 +583,17 @@ def max_step_rows(mxu_depth: int, n_seqs: int = 0) -> int:
     return MAX_STEP_ROWS_DEEP_MXU if deep else MAX_STEP_ROWS
 
 
+def _model_units(rows: int, dk: int, dv: int) -> float:
+    """Units of 64 rows with ``dk + dv = 256`` that the program models count a step of ``rows``
+    as: wider heads scaled by ``(dk + dv) / 256``, narrower ones as 128-wide (:func:`backward_bundles`)."""
+    return rows / 64 * max(1.0, (dk + dv) / 256)
+
+
+def _single_pass(precisions: Precisions) -> bool:
+    """Whether every product is one bfloat16 pass (the program models' precision key)."""
+    return precisions == Precisions.uniform(MatmulPrecision.BF16)
+
+
 def backward_bundles(rows: int, layout: Layout, dk: int, dv: int,
                      precisions: Precisions) -> float:  # fmt: skip
     """The model of the backward kernel's program length, in bundles, for a grid step of
@@ -585,9 +601,8 @@ def backward_bundles(rows: int, layout: Layout, dk: int, dv: int,
     ``(dk + dv) / 256`` where that is more than 1 (a 256-wide value head's unit measured 0.88x of
     that: 69,237 bundles at 8 x 2 with ``dv = 256``, token-major; narrower heads are counted as
     128-wide ones: none was measured, and a unit's ``C x C`` work does not shrink with them)."""
-    single = precisions == Precisions.uniform(MatmulPrecision.BF16)
-    per_unit = BACKWARD_BUNDLES_PER_UNIT[(single, layout.value)]
-    return rows / 64 * max(1.0, (dk + dv) / 256) * per_unit
+    per_unit = BACKWARD_BUNDLES_PER_UNIT[(_single_pass(precisions), layout.value)]
+    return _model_units(rows, dk, dv) * per_unit
 
 
 def max_train_step_rows(layout: Layout, dk: int, dv: int, precisions: Precisions) -> int:
@@ -602,9 +617,8 @@ def forward_bundles(rows: int, layout: Layout, dk: int, dv: int,
                     precisions: Precisions) -> float:  # fmt: skip
     """The model of the training forward's program length, in bundles, for a grid step of
     ``rows``: :data:`FORWARD_BUNDLES_PER_UNIT` per 64 rows, scaled as :func:`backward_bundles`."""
-    single = precisions == Precisions.uniform(MatmulPrecision.BF16)
-    per_unit = FORWARD_BUNDLES_PER_UNIT[(single, layout.value)]
-    return rows / 64 * max(1.0, (dk + dv) / 256) * per_unit
+    per_unit = FORWARD_BUNDLES_PER_UNIT[(_single_pass(precisions), layout.value)]
+    return _model_units(rows, dk, dv) * per_unit
 
 
 def looped_backward_bundles(hb: int, loop_heads: int, nc: int, C: int, dk: int, dv: int,
@@ -612,10 +626,9 @@ def looped_backward_bundles(hb: int, loop_heads: int, nc: int, C: int, dk: int, 
     """The model of a looped backward step's program (``hb`` heads x ``nc`` chunks in iterations
     of ``loop_heads`` heads; kernels_bwd._head_loop): one iteration's head-major step by
     :func:`backward_bundles`, and :data:`LOOP_STAGING_BUNDLES_PER_UNIT` per unit of the step."""
-    single = precisions == Precisions.uniform(MatmulPrecision.BF16)
     body = backward_bundles(loop_heads * nc * C, Layout.HEAD_MAJOR, dk, dv, precisions)
-    staging = hb * nc * C / 64 * max(1.0, (dk + dv) / 256) * LOOP_STAGING_BUNDLES_PER_UNIT[single]
-    return body + staging
+    staging = LOOP_STAGING_BUNDLES_PER_UNIT[_single_pass(precisions)]
+    return body + _model_units(hb * nc * C, dk, dv) * staging
 
 
 def training_blocking(nc: int, n_chunks: int, hb: int, spec: OpSpec, C: int,
@@ -642,7 +655,7 @@ def training_blocking(nc: int, n_chunks: int, hb: int, spec: OpSpec, C: int,
     hs = hb // 2
     forward = forward_bundles(hb * 2 * C, layout, spec.dk, spec.dv, precisions)
     backward = looped_backward_bundles(hb, hs, 2, C, spec.dk, spec.dv, precisions)
-    whole_rows = (hs * 2) % max(1, NUM_LANES // C) == 0  # an iteration's packed T | A_qk rows
+    whole_rows = (hs * 2) % lanes_packed(C) == 0  # an iteration's packed T | A_qk rows
     looped = floor and nc_code == 1 and hb % 2 == 0 and whole_rows
     looped = looped and max(forward, backward) <= MAX_BACKWARD_BUNDLES
     if looped:
